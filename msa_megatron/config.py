@@ -1,0 +1,134 @@
+"""MSAConfig: every knob of MiniMax Sparse Attention in one validated dataclass.
+
+Source: MSA_SPEC.md sections 1-6. Defaults are the paper / production defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+MODES = ("sparse", "dense")
+BACKENDS = ("reference", "torch", "triton")
+CP_KV_EXCHANGES = ("allgather", "selective")
+
+
+@dataclass
+class MSAConfig:
+    """Hyper-parameters of one MSA attention layer.
+
+    Attributes:
+        block_size: key block size B in tokens (power of two >= 16; kernels support 64, 128).
+        top_k: selected blocks per query token and index head (forced blocks included).
+        init_blocks: the first ``init_blocks`` blocks of each sequence are always selected.
+        local_blocks: the last ``local_blocks`` blocks up to and including the query's own
+            block are always selected (>= 1 so the support is never empty).
+        softmax_scale: main-branch logit scale; ``None`` means ``D ** -0.5``.
+        index_scale: index-branch logit scale; ``None`` means ``Di ** -0.5``.
+        index_heads: Hi, index query heads of the whole layer (``None``: one per query group).
+        index_key_heads: Hik, index key heads (default 1, shared).
+        index_head_dim: Di.
+        kl_coeff: weight of the summed per-layer KL losses in the training loss.
+        mode: ``"sparse"`` or ``"dense"`` (warmup, MSA_SPEC section 5).
+        backend: ``"reference"``, ``"torch"``, ``"triton"`` or ``None`` (automatic).
+        cp_kv_exchange: context-parallel K/V exchange, ``"allgather"`` or ``"selective"``.
+
+    Raises:
+        ValueError / TypeError on construction for any inconsistent value (MSA_SPEC section 7).
+    """
+
+    block_size: int = 128
+    top_k: int = 16
+    init_blocks: int = 0
+    local_blocks: int = 1
+    softmax_scale: Optional[float] = None
+    index_scale: Optional[float] = None
+    index_heads: Optional[int] = None
+    index_key_heads: int = 1
+    index_head_dim: int = 128
+    kl_coeff: float = 1.0
+    mode: str = "sparse"
+    backend: Optional[str] = None
+    cp_kv_exchange: str = "allgather"
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "top_k", "init_blocks", "local_blocks",
+                     "index_key_heads", "index_head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"MSAConfig.{name} must be an int, got {type(value).__name__}")
+        if self.index_heads is not None and (
+            isinstance(self.index_heads, bool) or not isinstance(self.index_heads, int)
+        ):
+            raise TypeError(
+                f"MSAConfig.index_heads must be an int or None, got {type(self.index_heads).__name__}"
+            )
+        check_block_size(self.block_size)
+        check_selection_budget(self.top_k, self.init_blocks, self.local_blocks)
+        if self.index_key_heads < 1:
+            raise ValueError(f"MSAConfig.index_key_heads must be >= 1, got {self.index_key_heads}")
+        if self.index_heads is not None:
+            if self.index_heads < 1:
+                raise ValueError(f"MSAConfig.index_heads must be >= 1, got {self.index_heads}")
+            if self.index_heads % self.index_key_heads:
+                raise ValueError(
+                    f"MSAConfig.index_heads ({self.index_heads}) must be a multiple of "
+                    f"index_key_heads ({self.index_key_heads})"
+                )
+        if self.index_head_dim < 1:
+            raise ValueError(f"MSAConfig.index_head_dim must be >= 1, got {self.index_head_dim}")
+        for name in ("softmax_scale", "index_scale"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"MSAConfig.{name} must be a positive number or None, got {value!r}")
+        if not isinstance(self.kl_coeff, (int, float)) or self.kl_coeff < 0:
+            raise ValueError(f"MSAConfig.kl_coeff must be a number >= 0, got {self.kl_coeff!r}")
+        check_mode(self.mode)
+        check_backend(self.backend)
+        if self.cp_kv_exchange not in CP_KV_EXCHANGES:
+            raise ValueError(
+                f"MSAConfig.cp_kv_exchange must be one of {CP_KV_EXCHANGES}, got {self.cp_kv_exchange!r}"
+            )
+
+    def resolved_index_heads(self, num_query_groups: int) -> int:
+        """Hi for a layer with ``num_query_groups`` KV groups (default: one per group)."""
+        return num_query_groups if self.index_heads is None else self.index_heads
+
+
+def check_block_size(block_size: int) -> None:
+    """Raise ValueError unless ``block_size`` is a power of two >= 16 (MSA_SPEC section 1)."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
+
+
+def check_selection_budget(top_k: int, init_blocks: int, local_blocks: int) -> None:
+    """Raise ValueError unless ``top_k >= init_blocks + local_blocks`` and local_blocks >= 1."""
+    for name, value in (("top_k", top_k), ("init_blocks", init_blocks), ("local_blocks", local_blocks)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if init_blocks < 0:
+        raise ValueError(f"init_blocks must be >= 0, got {init_blocks}")
+    if local_blocks < 1:
+        raise ValueError(
+            f"local_blocks must be >= 1 (the query's own block keeps the support non-empty), "
+            f"got {local_blocks}"
+        )
+    if top_k < init_blocks + local_blocks:
+        raise ValueError(
+            f"top_k ({top_k}) must be >= init_blocks + local_blocks "
+            f"({init_blocks} + {local_blocks})"
+        )
+
+
+def check_mode(mode: str) -> None:
+    """Raise ValueError unless ``mode`` is ``"sparse"`` or ``"dense"``."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+
+def check_backend(backend: Optional[str]) -> None:
+    """Raise ValueError unless ``backend`` is None or a known backend name."""
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be None or one of {BACKENDS}, got {backend!r}")

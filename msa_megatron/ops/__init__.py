@@ -1,0 +1,1 @@
+"""Op layer: entry points, backend dispatch and autograd. Knows nothing of Megatron."""

@@ -1,0 +1,173 @@
+"""One input checker shared by every entry point (MSA_SPEC section 7).
+
+Everything here runs before any kernel is launched and raises ``ValueError`` / ``TypeError``
+naming the argument and its shape.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..config import check_backend, check_block_size, check_mode, check_selection_budget
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Backend-specific limits (the references accept any head dim and any power-of-two block >= 16).
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
+TRITON_BLOCK_SIZES = (16, 32, 64, 128)
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def check_tensor(name: str, t: object, ndim: int) -> torch.Tensor:
+    """Raise TypeError unless ``t`` is a float tensor with ``ndim`` dims."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} has unsupported dtype {t.dtype}; expected one of {FLOAT_DTYPES}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims [T, H, D], got shape {_shape(t)}")
+    return t
+
+
+def check_same_dtype_device(named: dict) -> None:
+    """Raise TypeError/ValueError if the tensors in ``named`` differ in dtype or device."""
+    items = [(n, t) for n, t in named.items() if t is not None]
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.dtype != first.dtype:
+            raise TypeError(
+                f"{name} has dtype {t.dtype} but {first_name} has dtype {first.dtype}; "
+                "all inputs must share one dtype"
+            )
+        if t.device != first.device:
+            raise ValueError(
+                f"{name} is on {t.device} but {first_name} is on {first.device}; "
+                "all inputs must be on one device"
+            )
+
+
+def check_cu_seqlens(cu_seqlens: Optional[torch.Tensor], total: int, device: torch.device) -> None:
+    """Validate packed-sequence boundaries (MSA_SPEC section 1).
+
+    Args:
+        cu_seqlens: ``[n+1]`` int32, non-decreasing, first 0, last ``total``; or None.
+        total: T, the number of packed tokens.
+        device: the device of the other inputs.
+
+    Raises:
+        TypeError: not a tensor or not int32.
+        ValueError: not 1-D, empty, first != 0, last != T, decreasing, or on another device.
+    """
+    if cu_seqlens is None:
+        return
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor or None, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32:
+        raise TypeError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens must be 1-D with >= 1 entry, got shape {_shape(cu_seqlens)}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but the inputs are on {device}")
+    host = cu_seqlens.tolist()
+    if host[0] != 0:
+        raise ValueError(f"cu_seqlens[0] must be 0, got {host[0]}")
+    if host[-1] != total:
+        raise ValueError(f"cu_seqlens[-1] must equal T={total}, got {host[-1]}")
+    for a, b in zip(host[:-1], host[1:]):
+        if b < a:
+            raise ValueError(f"cu_seqlens must be non-decreasing, got {host}")
+
+
+def check_index_inputs(q_idx: torch.Tensor, k_idx: torch.Tensor) -> tuple:
+    """Validate the index branch. Returns ``(T, Hi, Hik, Di)``."""
+    check_tensor("q_idx", q_idx, 3)
+    check_tensor("k_idx", k_idx, 3)
+    check_same_dtype_device({"q_idx": q_idx, "k_idx": k_idx})
+    T, Hi, Di = q_idx.shape
+    if k_idx.shape[0] != T:
+        raise ValueError(
+            f"q_idx {_shape(q_idx)} and k_idx {_shape(k_idx)} disagree on T (dim 0)"
+        )
+    if k_idx.shape[2] != Di:
+        raise ValueError(
+            f"q_idx {_shape(q_idx)} and k_idx {_shape(k_idx)} disagree on the index head dim Di"
+        )
+    Hik = k_idx.shape[1]
+    if Hi < 1 or Hik < 1 or Di < 1:
+        raise ValueError(f"empty head or feature dim: q_idx {_shape(q_idx)}, k_idx {_shape(k_idx)}")
+    if Hi % Hik:
+        raise ValueError(
+            f"index heads Hi={Hi} (q_idx {_shape(q_idx)}) must be a multiple of index key heads "
+            f"Hik={Hik} (k_idx {_shape(k_idx)})"
+        )
+    return T, Hi, Hik, Di
+
+
+def check_main_inputs(q, k, v, q_idx, k_idx) -> tuple:
+    """Validate q/k/v against the index branch. Returns ``(T, Hq, Hkv, D, Hi, Hik, Di)``."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, 3)
+    check_same_dtype_device({"q": q, "k": k, "v": v, "q_idx": q_idx, "k_idx": k_idx})
+    T, Hi, Hik, Di = check_index_inputs(q_idx, k_idx)
+    Tq, Hq, D = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k {_shape(k)} and v {_shape(v)} must have the same shape")
+    if k.shape[0] != Tq or q_idx.shape[0] != Tq:
+        raise ValueError(
+            f"T disagrees: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}, q_idx {_shape(q_idx)}, "
+            f"k_idx {_shape(k_idx)}"
+        )
+    Hkv = k.shape[1]
+    if k.shape[2] != D:
+        raise ValueError(f"q {_shape(q)} and k {_shape(k)} disagree on the head dim D")
+    if Hq < 1 or Hkv < 1 or D < 1:
+        raise ValueError(f"empty head or feature dim: q {_shape(q)}, k {_shape(k)}")
+    if Hq % Hkv:
+        raise ValueError(f"query heads Hq={Hq} (q {_shape(q)}) must be a multiple of KV heads Hkv={Hkv}")
+    if Hq % Hi:
+        raise ValueError(
+            f"query heads Hq={Hq} (q {_shape(q)}) must be a multiple of index heads Hi={Hi} "
+            f"(q_idx {_shape(q_idx)})"
+        )
+    if Hi % Hkv:
+        raise ValueError(
+            f"index heads Hi={Hi} (q_idx {_shape(q_idx)}) must be a multiple of KV heads Hkv={Hkv} "
+            f"(k {_shape(k)}), so each index head lies in one query group"
+        )
+    return Tq, Hq, Hkv, D, Hi, Hik, Di
+
+
+def check_backend_limits(backend: str, dtype: torch.dtype, head_dims: dict, block_size: int) -> None:
+    """Raise if ``backend`` cannot run this dtype / head dim / block size."""
+    if backend != "triton":
+        return
+    if dtype not in TRITON_DTYPES:
+        raise TypeError(f"backend='triton' supports dtypes {TRITON_DTYPES}, got {dtype}")
+    for name, dim in head_dims.items():
+        if dim not in TRITON_HEAD_DIMS:
+            raise ValueError(f"backend='triton' supports {name} in {TRITON_HEAD_DIMS}, got {dim}")
+    if block_size not in TRITON_BLOCK_SIZES:
+        raise ValueError(f"backend='triton' supports block_size in {TRITON_BLOCK_SIZES}, got {block_size}")
+
+
+def check_options(block_size, top_k, init_blocks, local_blocks, backend, mode="sparse") -> None:
+    """Validate the scalar options shared by ``select_blocks`` and ``msa_attention``."""
+    check_block_size(block_size)
+    check_selection_budget(top_k, init_blocks, local_blocks)
+    check_backend(backend)
+    check_mode(mode)
+
+
+def check_scale(name: str, value) -> None:
+    """Raise unless ``value`` is None or a positive finite number."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float or None, got {type(value).__name__}")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{name} must be a positive finite number, got {value}")

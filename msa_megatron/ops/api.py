@@ -6,6 +6,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from . import torch_backend  # noqa: F401  imported here so torch.compile never has to import it
 from .backends import get_backend, resolve_backend
 from .layout import query_layout
 from .validation import (

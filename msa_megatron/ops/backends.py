@@ -20,6 +20,7 @@ may hold more rows than there are queries (context parallelism).
 from __future__ import annotations
 
 import importlib
+import sys
 from types import ModuleType
 from typing import Optional
 
@@ -40,7 +41,12 @@ def resolve_backend(backend: Optional[str], device: torch.device) -> str:
 
 
 def get_backend(name: str) -> ModuleType:
-    """Import and return the backend module called ``name``."""
+    """Import and return the backend module called ``name``.
+
+    A module imported before is taken from ``sys.modules``, which torch.compile can trace
+    (it cannot trace ``importlib.import_module``).
+    """
     if name not in _MODULES:
         raise ValueError(f"backend must be one of {tuple(_MODULES)}, got {name!r}")
-    return importlib.import_module(_MODULES[name])
+    module = sys.modules.get(_MODULES[name])
+    return module if module is not None else importlib.import_module(_MODULES[name])

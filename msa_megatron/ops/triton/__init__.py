@@ -1,8 +1,58 @@
-"""``backend="triton"``: fused Triton kernels (not landed yet)."""
+"""``backend="triton"``: fused Triton kernels behind the three backend cores.
+
+``select``, ``attention`` and ``kl`` (interface: :mod:`msa_megatron.ops.backends`) are custom ops
+``msa_megatron::triton_*`` registered through :mod:`msa_megatron.ops.custom_ops` (autograd,
+shape-only fake implementations for ``torch.compile(fullgraph=True)``). Triton itself is
+imported on the first call, so importing this package never imports Triton (set
+``TRITON_INTERPRET=1`` before that first call to run the kernels on a CPU).
+
+Kernels: :mod:`.selection` (fused selection), :mod:`.forward` (sparse / dense forward),
+:mod:`.backward` (dQ query-outer, dK/dV key-block-outer, deterministic), :mod:`.kl_loss`
+(KL value and index-branch gradients), :mod:`.reverse_index` (block -> selecting queries).
+"""
+
+from __future__ import annotations
+
+from ..custom_ops import BackendKernels, register_backend_ops
 
 
-def _missing(*args, **kwargs):
-    raise NotImplementedError("backend='triton' is not implemented yet; use backend='torch'")
+def _select(q_idx, k_idx, q_pos, q_kbase, block_size, top_k, init_blocks, local_blocks,
+            index_scale):
+    from .selection import select_blocks_triton
+
+    return select_blocks_triton(q_idx, k_idx, q_pos, q_kbase, block_size, top_k, init_blocks,
+                                local_blocks, index_scale)
 
 
-select = attention = kl = _missing
+def _attention_fwd(q, k, v, block_idx, q_pos, q_kbase, block_size, softmax_scale, index_heads):
+    from .forward import attention_forward
+
+    return attention_forward(q, k, v, block_idx, q_pos, q_kbase, block_size, softmax_scale,
+                             index_heads)
+
+
+def _attention_bwd(dout, q, k, v, out, lse, block_idx, q_pos, q_kbase, block_size,
+                   softmax_scale, index_heads):
+    from .backward import attention_backward
+
+    return attention_backward(dout, q, k, v, out, lse, block_idx, q_pos, q_kbase, block_size,
+                              softmax_scale, index_heads)
+
+
+def _kl(q, k, lse, q_idx, k_idx, block_idx, q_pos, q_kbase, block_size, softmax_scale,
+        index_scale, kl_scale, compute_grad):
+    from .kl_loss import kl_loss
+
+    return kl_loss(q, k, lse, q_idx, k_idx, block_idx, q_pos, q_kbase, block_size, softmax_scale,
+                   index_scale, kl_scale, compute_grad)
+
+
+_OPS = register_backend_ops(
+    "triton",
+    BackendKernels(select=_select, attention_fwd=_attention_fwd, attention_bwd=_attention_bwd,
+                   kl=_kl),
+)
+select, attention, kl = _OPS.select, _OPS.attention, _OPS.kl
+ops = _OPS.ops
+
+__all__ = ["select", "attention", "kl", "ops"]

@@ -1,0 +1,292 @@
+"""Context-parallel MSA: correctness on the devices first, then step times and bytes moved.
+
+Run on 2 GPUs (writes JSON to the path given)::
+
+    torchrun --nproc-per-node 2 benchmarks/bench_cp.py benchmarks/results/cp_h200.json \
+        [--backend triton|torch] [--seqlens 65536 131072 262144] [--dists iid coherent]
+
+(``--backend`` defaults to the automatic choice: triton on CUDA.)
+
+CPU dry run of the whole script on tiny shapes (gloo)::
+
+    torchrun --nproc-per-node 2 benchmarks/bench_cp.py /tmp/cp.json --device cpu \
+        --seqlens 2048 --check-tokens 1024 --iters 1
+
+What it does, in one run:
+
+1. Correctness: one packed THD batch (several documents, one of length zero, documents crossing
+   the CP chunk boundaries) in fp32; every rank computes the single-device result
+   (``msa_attention_core``, CP=1) and the CP=2 result of :func:`context_parallel_msa_attention`
+   in both K/V exchange modes; compares outputs, KL (summed over ranks), selections and the
+   five gradients. The script stops (exit code 1) before timing when a check fails.
+2. Timing: one MSA core attention layer (select + sparse attention + KL value + all gradients,
+   "paper" config of ``BENCHMARK.md``: Hq 64, Hkv 4, Hi 4, Hik 1, D = Di = 128, B 128, k 16,
+   bf16), one sequence of S tokens, fwd+bwd, median over ``--iters`` CUDA-event-timed steps
+   after one warm-up; for CP=1 (each rank runs the whole sequence on its own GPU) and CP=2 in
+   both exchange modes; index inputs iid and coherent (as ``BENCHMARK.md``). For CP=2 the time
+   of a step is the slowest rank's. Bytes moved per rank come from the layer's statistics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from msa_megatron.ops.api import msa_attention_core  # noqa: E402
+from msa_megatron.ops.backends import get_backend, resolve_backend  # noqa: E402
+from msa_megatron.ops.layout import query_layout  # noqa: E402
+from msa_megatron.parallel.context import (  # noqa: E402
+    context_parallel_msa_attention,
+    cp_bytes_moved,
+)
+from msa_megatron.parallel.cp_layout import split_for_cp_rank  # noqa: E402
+
+PAPER = dict(hq=64, hkv=4, hi=4, hik=1, d=128, di=128)
+OPTIONS = dict(block_size=128, top_k=16, init_blocks=0, local_blocks=1, softmax_scale=None,
+               index_scale=None)
+EXCHANGES = ("allgather", "selective")
+NAMES = ("q", "k", "v", "q_idx", "k_idx")
+COHERENT_STRIDE = 256  # coherent index queries: randn every 256th token, linearly interpolated
+CHECK_DOC_FRACTIONS = (0.37, 0.0, 0.25, 0.38)  # of the check batch; one zero-length document
+CHECK_HEADS = dict(hq=16, hkv=2, hi=2, hik=1, d=64, di=64)
+CHECK_MIN_SELECTION_MATCH = 0.999  # fp32 near-ties may swap a block; anything more fails
+CHECK_MAX_REL_ERR = 2e-2  # norm-relative, fp32 inputs (TF32 matmuls on the GPU)
+
+
+def _inputs(total: int, heads: dict, dtype, device, seed: int,
+            coherent: bool) -> Dict[str, torch.Tensor]:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shapes = {"q": heads["hq"], "k": heads["hkv"], "v": heads["hkv"], "q_idx": heads["hi"],
+              "k_idx": heads["hik"]}
+    x = {}
+    for name, h in shapes.items():
+        dim = heads["di"] if name.endswith("idx") else heads["d"]
+        x[name] = torch.randn((total, h, dim), generator=gen, device=device, dtype=dtype)
+    if coherent:
+        anchors = torch.randn((total // COHERENT_STRIDE + 2, heads["hi"], heads["di"]),
+                              generator=gen, device=device, dtype=torch.float32)
+        t = torch.arange(total, device=device, dtype=torch.float32) / COHERENT_STRIDE
+        lo = t.floor().long()
+        frac = (t - lo)[:, None, None]
+        x["q_idx"] = ((1 - frac) * anchors[lo] + frac * anchors[lo + 1]).to(dtype)
+    return x
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def _local(x: Dict[str, torch.Tensor], cu: torch.Tensor, cp: int, rank: int):
+    return {n: split_for_cp_rank(t.detach(), cu, cp, rank).contiguous().requires_grad_(True)
+            for n, t in x.items()}
+
+
+def check_correctness(args, device, group) -> dict:
+    """CP=2 vs CP=1 on one packed fp32 batch, both exchange modes. Returns the measured errors."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    quantum = 2 * cp
+    total = args.check_tokens
+    lengths = [int(f * total) // quantum * quantum for f in CHECK_DOC_FRACTIONS]
+    lengths[-1] += total - sum(lengths)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32,
+                      device=device)
+    x = _inputs(total, CHECK_HEADS, torch.float32, device, seed=1, coherent=False)
+    w_out = torch.randn((total, CHECK_HEADS["hq"], CHECK_HEADS["d"]), device=device,
+                        generator=torch.Generator(device=device).manual_seed(2))
+    kl_scale = 1.0 / (total * CHECK_HEADS["hi"])
+    ref = {n: t.clone().requires_grad_(True) for n, t in x.items()}
+    q_pos, q_kbase = query_layout(cu, total, device)
+    backend = resolve_backend(args.backend, device)
+    ref_idx = get_backend(backend).select(ref["q_idx"], ref["k_idx"], q_pos, q_kbase,
+                                          block_size=OPTIONS["block_size"], top_k=OPTIONS["top_k"],
+                                          init_blocks=OPTIONS["init_blocks"],
+                                          local_blocks=OPTIONS["local_blocks"], index_scale=None)
+    out_ref, kl_ref = msa_attention_core(*(ref[n] for n in NAMES), q_pos, q_kbase, backend=backend,
+                                         mode="sparse", kl_scale=kl_scale, block_idx=ref_idx,
+                                         **OPTIONS)
+    ((out_ref * w_out).sum() + kl_ref).backward()
+    rows = split_for_cp_rank(torch.arange(total, device=device), cu, cp, rank)
+    report = {"tokens": total, "lengths": lengths}
+    for exchange in EXCHANGES:
+        local = _local(x, cu, cp, rank)
+        out, kl, block_idx, stats = context_parallel_msa_attention(
+            *(local[n] for n in NAMES), cu_seqlens_global=cu, cp_group=group,
+            kv_exchange=exchange, mode="sparse", backend=args.backend, kl_scale=kl_scale,
+            **OPTIONS)
+        ((out * w_out[rows]).sum() + kl).backward()
+        kl_sum = kl.detach().clone()
+        dist.all_reduce(kl_sum, group=group)
+        same = (torch.sort(block_idx, -1).values == torch.sort(ref_idx[rows], -1).values).all(-1)
+        errs = {"out": _rel_err(out, out_ref[rows]), "kl": _rel_err(kl_sum, kl_ref)}
+        errs.update({f"d{n}": _rel_err(local[n].grad, ref[n].grad[rows]) for n in NAMES})
+        errs["selection_match"] = float(same.float().mean())
+        worst = torch.tensor([max(v for k, v in errs.items() if k != "selection_match"),
+                              -errs["selection_match"]], device=device, dtype=torch.float64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+        ok = worst[0].item() < CHECK_MAX_REL_ERR and -worst[1].item() >= CHECK_MIN_SELECTION_MATCH
+        report[exchange] = {"rank0_errors": errs, "worst_rel_err": worst[0].item(),
+                            "worst_selection_match": -worst[1].item(), "ok": ok,
+                            "bytes_recv": cp_bytes_moved(stats)}
+    return report
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time_steps(step, iters: int, device, group) -> List[float]:
+    """Per-step wall times in ms (the slowest rank's), after one warm-up step."""
+    step()
+    times = []
+    for _ in range(iters):
+        _sync(device)
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        elapsed = torch.tensor([1e3 * (time.perf_counter() - start)], dtype=torch.float64,
+                               device=device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+        times.append(elapsed.item())
+    return times
+
+
+def bench(args, device, group, result: dict) -> None:
+    """Time every configuration; appends rows to ``result["results"]`` and rewrites the JSON
+    after each row (rank 0), so a run cut short by a time limit keeps what it measured."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    backend = resolve_backend(args.backend, device)
+    rows = result.setdefault("results", [])
+    for seqlen in args.seqlens:
+        for dist_name in args.dists:
+            x = _inputs(seqlen, PAPER, dtype, device, seed=3, coherent=dist_name == "coherent")
+            cu = torch.tensor([0, seqlen], dtype=torch.int32, device=device)
+            kl_scale = 1.0 / (seqlen * PAPER["hi"])
+            full = {n: t.requires_grad_(True) for n, t in x.items()}
+            q_pos, q_kbase = query_layout(cu, seqlen, device)
+
+            def step_cp1():
+                for t in full.values():
+                    t.grad = None
+                out, kl = msa_attention_core(*(full[n] for n in NAMES), q_pos, q_kbase,
+                                             backend=backend, mode="sparse", kl_scale=kl_scale,
+                                             **OPTIONS)
+                (out.float().sum() + kl).backward()
+
+            times = _time_steps(step_cp1, args.iters, device, group)
+            rows.append({"seqlen": seqlen, "index_inputs": dist_name, "cp": 1, "exchange": None,
+                         "ms_median": statistics.median(times), "ms": times})
+            if rank == 0:
+                print(f"S={seqlen} {dist_name} CP=1: {statistics.median(times):.1f} ms", flush=True)
+                _write(args.output, result)
+            del full
+            local = _local(x, cu, cp, rank)
+            del x
+            for exchange in EXCHANGES:
+                last = {}
+
+                def step_cp():
+                    for t in local.values():
+                        t.grad = None
+                    out, kl, _, stats = context_parallel_msa_attention(
+                        *(local[n] for n in NAMES), cu_seqlens_global=cu, cp_group=group,
+                        kv_exchange=exchange, mode="sparse", backend=backend, kl_scale=kl_scale,
+                        **OPTIONS)
+                    (out.float().sum() + kl).backward()
+                    last["stats"] = stats
+
+                times = _time_steps(step_cp, args.iters, device, group)
+                per_rank = [None] * cp
+                dist.all_gather_object(per_rank, dict(last["stats"]), group=group)
+                rows.append({"seqlen": seqlen, "index_inputs": dist_name, "cp": cp,
+                             "exchange": exchange, "ms_median": statistics.median(times),
+                             "ms": times, "stats_per_rank": per_rank,
+                             "bytes_recv_per_rank": [cp_bytes_moved(s) for s in per_rank]})
+                if rank == 0:
+                    print(f"S={seqlen} {dist_name} CP={cp} {exchange}: "
+                          f"{statistics.median(times):.1f} ms, bytes recv/rank "
+                          f"{[cp_bytes_moved(s) for s in per_rank]}", flush=True)
+                    _write(args.output, result)
+            del local
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+def _write(path: str, result: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+def _environment(device) -> dict:
+    env = {"torch": torch.__version__, "python": platform.python_version(),
+           "device": device.type, "world_size": dist.get_world_size()}
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+    try:
+        env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                           text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        env["git_commit"] = None
+    return env
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("output", help="JSON file to write (rank 0)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--backend", default=None, help="MSA backend (default: automatic)")
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[65536, 131072, 262144])
+    parser.add_argument("--dists", nargs="+", choices=("iid", "coherent"),
+                        default=["iid", "coherent"])
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--check-tokens", type=int, default=8192)
+    parser.add_argument("--check-only", action="store_true")
+    args = parser.parse_args()
+
+    if args.device == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl")
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    group = dist.group.WORLD
+    result = {"environment": _environment(device), "config": {**PAPER, **OPTIONS},
+              "check": check_correctness(args, device, group)}
+    ok = all(result["check"][e]["ok"] for e in EXCHANGES)
+    if dist.get_rank() == 0:
+        print("correctness:", json.dumps(result["check"], indent=1), flush=True)
+    if dist.get_rank() == 0:
+        _write(args.output, result)
+    if ok and not args.check_only:
+        bench(args, device, group, result)
+    if dist.get_rank() == 0:
+        _write(args.output, result)
+        print(f"wrote {args.output}")
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,529 @@
+"""Correctness, then speed, of ``backend="triton"`` on one GPU (BENCHMARK.md), in one run.
+
+Usage (writes JSON to the path given; prints a short table last)::
+
+    python benchmarks/bench_kernels.py benchmarks/results/kernels_h200.json [--budget 380]
+        [--configs paper-8k,peer-16k,...] [--skip-checks] [--no-flex] [--commit SHA]
+
+CPU dry run of the script itself (Triton interpreter, tiny shapes, no baselines)::
+
+    TRITON_INTERPRET=1 python benchmarks/bench_kernels.py /tmp/k.json --dry-run
+
+1. Checks on the GPU: triton vs the oracle (fp32 reference on the same inputs) at T = 4096 for
+   the paper, peer and tp-shard heads in bf16 and the paper heads in fp16 (packed documents, one
+   of length zero): selection (equal up to near-ties), output, LSE, KL and all five gradients;
+   bitwise equal gradients over two backward runs. Then the paper config at 8K against the
+   torch backend. Timing still runs when a check fails; the JSON and table say FAIL.
+2. Ceilings: bf16 matmul 8192^3 and a device copy.
+3. For every configuration and both index distributions (iid; coherent = randn every 256th
+   token, linearly interpolated): select, main sparse forward and forward+backward, the whole
+   op forward+backward (select + attention + KL value + five gradients), dense warmup mode
+   whole op, dense cuDNN and FLASH SDPA (causal, GQA), FlexAttention on the same per-token
+   selection (union BlockMask per 128-query tile + membership mask_mod), torch select
+   (chunked, the torch backend) and peak memory. Each row is timed separately (median of
+   CUDA-event timings after a warm-up, L2 flushed before each); a failing row is recorded and
+   the run goes on; rows that would not fit in ``--budget`` seconds are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from msa_megatron import reference as ref  # noqa: E402
+from msa_megatron.ops import torch_backend  # noqa: E402
+from msa_megatron.ops import triton as tri  # noqa: E402
+from msa_megatron.ops.api import msa_attention  # noqa: E402
+from msa_megatron.ops.layout import query_layout  # noqa: E402
+
+HEADS = {
+    "paper": dict(hq=64, hkv=4, hi=4, hik=1),
+    "tp-shard": dict(hq=16, hkv=1, hi=1, hik=1),
+    "peer": dict(hq=16, hkv=2, hi=4, hik=1),
+}
+DIMS = dict(d=128, di=128, block=128, top_k=16)
+# name -> (heads, tokens, packed documents)
+CONFIGS = {
+    "paper-8k": ("paper", 8192, False),
+    "peer-16k": ("peer", 16384, False),
+    "paper-32k": ("paper", 32768, False),
+    "tp-shard-32k": ("tp-shard", 32768, False),
+    "peer-32k": ("peer", 32768, False),
+    "packed-32k": ("paper", 32768, True),
+    "paper-128k": ("paper", 131072, False),
+    "tp-shard-128k": ("tp-shard", 131072, False),
+}
+DISTS = ("iid", "coherent")
+COHERENT_STRIDE = 256
+DOC_LENGTHS = (100, 8192)
+CHECK_TOKENS = 4096
+CHECK_DOCS = (2500, 0, 1100, 496)
+TOL = {torch.bfloat16: 2e-2, torch.float16: 3e-3}
+FLUSH_BYTES = 256 << 20
+DRY_HEADS = dict(hq=4, hkv=2, hi=2, hik=1)
+DRY_DIMS = dict(d=16, di=16, block=16, top_k=3)
+
+
+class Run:
+    """Results, the time budget and the JSON file, written after every row."""
+
+    def __init__(self, path: str, budget: float, meta: dict):
+        self.path = path
+        self.deadline = time.time() + budget
+        self.data = dict(meta=meta, ceilings={}, checks=[], rows=[])
+
+    def left(self) -> float:
+        return self.deadline - time.time()
+
+    def save(self) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        with open(self.path, "w") as f:
+            json.dump(self.data, f, indent=1)
+
+    def record(self, kind: str, entry: dict) -> None:
+        self.data[kind].append(entry)
+        self.save()
+        print(json.dumps(entry), flush=True)
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                       cwd=os.path.dirname(os.path.abspath(__file__))).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+# ------------------------------------------------------------------ timing
+_flush = None
+
+
+def time_ms(fn, rep_ms: float = 300.0, max_iters: int = 20) -> dict:
+    """Median / min of CUDA-event timings of ``fn`` after one warm-up call (L2 flushed)."""
+    global _flush
+    if not torch.cuda.is_available():
+        t0 = time.time()
+        fn()
+        return dict(median=1e3 * (time.time() - t0), min=1e3 * (time.time() - t0), n=1)
+    if _flush is None:
+        _flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    n = 1
+    while len(times) < n:
+        _flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+        if len(times) == 1:
+            n = int(max(3, min(max_iters, rep_ms / max(times[0], 1e-3))))
+    return dict(median=statistics.median(times), min=min(times), n=len(times))
+
+
+def peak_mib(fn) -> float:
+    """Peak allocated memory (MiB) while ``fn`` runs, inputs included."""
+    if not torch.cuda.is_available():
+        return float("nan")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() / 2**20
+
+
+# ------------------------------------------------------------------ inputs
+def doc_lengths(total: int, gen: torch.Generator) -> list:
+    lens = []
+    while sum(lens) < total:
+        lens.append(int(torch.randint(DOC_LENGTHS[0], DOC_LENGTHS[1] + 1, (1,), generator=gen)))
+    lens[-1] -= sum(lens) - total
+    return lens
+
+
+def index_input(t: int, heads: int, dim: int, dist: str, device, dtype) -> torch.Tensor:
+    """iid randn, or coherent: randn every COHERENT_STRIDE tokens, linearly interpolated."""
+    if dist == "iid":
+        return torch.randn(t, heads, dim, device=device).to(dtype)
+    anchors = torch.randn(t // COHERENT_STRIDE + 2, heads, dim, device=device)
+    pos = torch.arange(t, device=device, dtype=torch.float32) / COHERENT_STRIDE
+    lo = pos.floor().long()
+    frac = (pos - lo)[:, None, None]
+    return ((1 - frac) * anchors[lo] + frac * anchors[lo + 1]).to(dtype)
+
+
+def make_inputs(heads: dict, dims: dict, t: int, lens, dist: str, device, dtype) -> dict:
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32,
+                      device=device)
+    q_pos, q_kbase = query_layout(cu, t, device)
+    mk = lambda h, dd: torch.randn(t, h, dd, device=device).to(dtype)  # noqa: E731
+    return dict(q=mk(heads["hq"], dims["d"]), k=mk(heads["hkv"], dims["d"]),
+                v=mk(heads["hkv"], dims["d"]),
+                q_idx=index_input(t, heads["hi"], dims["di"], dist, device, dtype),
+                k_idx=index_input(t, heads["hik"], dims["di"], dist, device, dtype),
+                cu=cu, q_pos=q_pos, q_kbase=q_kbase, lens=list(lens))
+
+
+NAMES = ("q", "k", "v", "q_idx", "k_idx")
+
+
+def whole_op(x: dict, dims: dict, mode: str, backend: str = "triton", grads: bool = True):
+    """The public op: select + attention + KL, then all five gradients."""
+    leaves = [x[n].detach().requires_grad_(grads) for n in NAMES]
+    out, kl = msa_attention(*leaves, x["cu"], block_size=dims["block"], top_k=dims["top_k"],
+                            mode=mode, backend=backend)
+    if not grads:
+        return out, kl, None
+    dout = x.setdefault("dout", torch.randn_like(out))
+    g = torch.autograd.grad((out, kl), leaves, (dout, torch.ones_like(kl)))
+    return out, kl, g
+
+
+# ------------------------------------------------------------------ useful FLOPs
+def support_size(block_idx: torch.Tensor, q_pos: torch.Tensor, block: int) -> int:
+    """Sum over (token, index head) of the number of keys in the support."""
+    b = block_idx.long()
+    n = (q_pos.long()[:, None, None] - b * block + 1).clamp(0, block)
+    return int(torch.where(b >= 0, n, 0).sum())
+
+
+def flops(heads: dict, dims: dict, q_pos: torch.Tensor, block_idx: torch.Tensor) -> dict:
+    hpi = heads["hq"] // heads["hi"]
+    supp = support_size(block_idx, q_pos, dims["block"])  # per (token, index head)
+    causal = int((q_pos.long() + 1).sum())
+    main_fwd = 4 * dims["d"] * hpi * supp
+    kl = supp * (2 * dims["d"] * hpi + 8 * dims["di"])  # teacher recompute, z, dq_idx, dk_idx
+    select = 2 * heads["hi"] * dims["di"] * causal
+    dense_fwd = 4 * heads["hq"] * dims["d"] * causal
+    return dict(select=select, main_fwd=main_fwd, main_fwd_bwd=3.5 * main_fwd, kl=kl,
+                whole=select + 3.5 * main_fwd + kl, dense_fwd=dense_fwd,
+                dense_fwd_bwd=3.5 * dense_fwd, support_per_token_head=supp / max(1, q_pos.numel()
+                                                                               * heads["hi"]))
+
+
+# ------------------------------------------------------------------ checks
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def selection_mismatch(got, want, x, dims) -> dict:
+    """Rows whose selection differs, and how many of them are not near-ties."""
+    diff = (got != want).any(dim=2)
+    rows = diff.nonzero().tolist()
+    bad = 0
+    if rows:
+        s = ref.block_scores_reference(x["q_idx"].float(), x["k_idx"].float(), x["q_pos"],
+                                       x["q_kbase"], block_size=dims["block"])
+        for t, i in rows[:2000]:
+            g, w = got[t, i], want[t, i]
+            sc = s[i, t]
+            worst = sc[w[w >= 0].long()].min()
+            ok = ((g >= 0).sum() == (w >= 0).sum()) and bool((sc[g[g >= 0].long()]
+                                                                 >= worst - 1e-3).all())
+            bad += 0 if ok else 1
+    return dict(rows_differing=len(rows), rows_not_near_tie=bad, rows=int(diff.numel()))
+
+
+def check_vs_reference(run: Run, heads_name: str, heads: dict, dims: dict, dtype, device):
+    torch.manual_seed(0)
+    t = sum(CHECK_DOCS) if device.type == "cuda" else 80
+    lens = list(CHECK_DOCS) if device.type == "cuda" else [50, 0, 30]
+    x = make_inputs(heads, dims, t, lens, "iid", device, dtype)
+    opts = dict(block_size=dims["block"], top_k=dims["top_k"])
+    entry = dict(check=f"reference-{heads_name}-{str(dtype)[6:]}", tokens=t)
+    got_sel = tri.select(x["q_idx"], x["k_idx"], x["q_pos"], x["q_kbase"], **opts)
+    want_sel = ref.select_core_reference(x["q_idx"].float(), x["k_idx"].float(), x["q_pos"],
+                                         x["q_kbase"], **opts)
+    entry["select"] = selection_mismatch(got_sel, want_sel, x, dims)
+    for mode in ("sparse", "dense"):
+        out, kl, grads = whole_op(x, dims, mode)
+        leaves = [x[n].detach().float().requires_grad_() for n in NAMES]
+        r_out, r_kl = ref.msa_attention_reference(*leaves, x["cu"], mode=mode, block_idx=(
+            got_sel if mode == "sparse" else None), **opts)
+        r_grads = torch.autograd.grad((r_out, r_kl), leaves, (x["dout"].float(),
+                                                               torch.ones_like(r_kl)))
+        errs = dict(out=rel(out, r_out), kl=abs(kl.item() - r_kl.item()) / abs(r_kl.item()))
+        errs.update({f"d{n}": rel(g, rg) for n, g, rg in zip(NAMES, grads, r_grads)})
+        _, _, again = whole_op(x, dims, mode)
+        errs["bitwise_repeat"] = all(torch.equal(a, b) for a, b in zip(grads, again))
+        entry[mode] = errs
+        del r_out, r_grads
+    tol = TOL.get(dtype, 1e-4)
+    entry["ok"] = (entry["select"]["rows_not_near_tie"] == 0 and all(
+        v < tol if isinstance(v, float) else v for m in ("sparse", "dense")
+        for v in entry[m].values()))
+    run.record("checks", entry)
+
+
+def check_vs_torch_backend(run: Run, device, dims: dict, heads: dict, t: int):
+    torch.manual_seed(1)
+    x = make_inputs(heads, dims, t, [t], "iid", device, torch.bfloat16)
+    opts = dict(block_size=dims["block"], top_k=dims["top_k"])
+    sel = tri.select(x["q_idx"], x["k_idx"], x["q_pos"], x["q_kbase"], **opts)
+    sel_t = torch_backend.select(x["q_idx"], x["k_idx"], x["q_pos"], x["q_kbase"], **opts)
+    entry = dict(check=f"torch-backend-paper-{t}", select=selection_mismatch(sel, sel_t, x, dims))
+    out, kl, grads = whole_op(x, dims, "sparse")
+    out_t, kl_t, grads_t = whole_op(x, dims, "sparse", backend="torch")
+    entry["errors"] = dict(out=rel(out, out_t), kl=abs(kl.item() - kl_t.item()) / abs(kl_t.item()),
+                           **{f"d{n}": rel(a, b) for n, a, b in zip(NAMES, grads, grads_t)})
+    entry["ok"] = entry["select"]["rows_not_near_tie"] == 0 and all(
+        v < TOL[torch.bfloat16] for v in entry["errors"].values())
+    run.record("checks", entry)
+
+
+# ------------------------------------------------------------------ baselines
+def sdpa_fn(x: dict, backend_name: str, grads: bool):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    backend = getattr(SDPBackend, backend_name)
+    q, k, v = (x[n].detach().transpose(0, 1).unsqueeze(0).requires_grad_(grads)
+               for n in ("q", "k", "v"))
+
+    def fn():
+        with sdpa_kernel([backend]):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if grads:
+            torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        return out
+
+    return fn
+
+
+def flex_fn(x: dict, heads: dict, dims: dict, block_idx: torch.Tensor, grads: bool):
+    """FlexAttention on the same per-token selection: union of the blocks selected by the 128
+    queries of each tile (BlockMask.from_kv_blocks) + per-token membership ``mask_mod``."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    t, hq = x["q"].shape[0], heads["hq"]
+    hpi, block, tile = hq // heads["hi"], dims["block"], 128
+    dev = x["q"].device
+    n_tiles = -(-t // tile)
+    nblk = int(x["q_pos"].max()) // block + 1
+    b = block_idx.long()
+    ok = b >= 0
+    first_row = x["q_kbase"].long()[:, None, None] + b.clamp_min(0) * block
+    qt = (torch.arange(t, device=dev) // tile)[:, None, None].expand_as(b)
+    head = torch.arange(heads["hi"], device=dev)[None, :, None].expand_as(b)
+    bits = torch.zeros(heads["hi"], n_tiles, n_tiles, dtype=torch.bool, device=dev)
+    for row in (first_row, (first_row + block - 1).clamp_max(t - 1)):
+        bits.index_put_((head[ok], qt[ok], (row // tile)[ok]), torch.ones_like(qt[ok],
+                                                                           dtype=torch.bool))
+    bits = bits.repeat_interleave(hpi, dim=0)[None]
+    kv_num = bits.sum(-1).to(torch.int32)
+    kv_idx = torch.argsort(bits.to(torch.int8), dim=-1, descending=True, stable=True)
+    member = torch.zeros(t, heads["hi"], nblk + 1, dtype=torch.bool, device=dev)
+    member.scatter_(2, torch.where(ok, b, nblk), True)
+    q_pos, q_kbase = x["q_pos"].long(), x["q_kbase"].long()
+
+    def mask_mod(bb, h, qi, ki):
+        u = ki - q_kbase[qi]
+        return (u >= 0) & (u <= q_pos[qi]) & member[qi, h // hpi, u.clamp(0, nblk * block - 1)
+                                                    // block]
+
+    mask = BlockMask.from_kv_blocks(kv_num, kv_idx.to(torch.int32), BLOCK_SIZE=tile,
+                                    mask_mod=mask_mod, seq_lengths=(t, t))
+    flex = torch.compile(flex_attention, dynamic=False)
+    q, k, v = (x[n].detach().transpose(0, 1).unsqueeze(0).requires_grad_(grads)
+               for n in ("q", "k", "v"))
+
+    def fn():
+        out = flex(q, k, v, block_mask=mask, enable_gqa=True)
+        if grads:
+            torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        return out
+
+    return fn
+
+
+# ------------------------------------------------------------------ timing rows
+def time_config(run: Run, name: str, heads_name: str, t: int, packed: bool, dims: dict,
+                device, flex: bool):
+    heads = HEADS[heads_name] if device.type == "cuda" else DRY_HEADS
+    gen = torch.Generator().manual_seed(2)
+    lens = doc_lengths(t, gen) if packed else [t]
+    base = dict(config=name, heads=heads_name, tokens=t, docs=len(lens))
+    dense_done = False
+    for dist in DISTS:
+        torch.manual_seed(3)
+        x = make_inputs(heads, dims, t, lens, dist, device, torch.bfloat16)
+        opts = dict(block_size=dims["block"], top_k=dims["top_k"])
+        block_idx = tri.select(x["q_idx"], x["k_idx"], x["q_pos"], x["q_kbase"], **opts)
+        fl = flops(heads, dims, x["q_pos"], block_idx)
+        row = dict(base, dist=dist, flops=fl, ms={}, peak_mib={}, errors={})
+
+        def attempt(key, fn, est_s, peak=False, **kw):
+            if run.left() < est_s:
+                row["errors"][key] = "skipped (budget)"
+                return
+            try:
+                row["ms"][key] = time_ms(fn, **kw)
+                if peak:
+                    row["peak_mib"][key] = peak_mib(fn)
+            except Exception as e:  # a failing row must not lose the run
+                row["errors"][key] = f"{type(e).__name__}: {e}"[:400]
+                traceback.print_exc()
+            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+
+        scale = t / 32768
+        attempt("select", lambda: tri.select(x["q_idx"], x["k_idx"], x["q_pos"], x["q_kbase"],
+                                             **opts), 2 + 20 * scale ** 2)
+        attempt("torch_select", lambda: torch_backend.select(
+            x["q_idx"], x["k_idx"], x["q_pos"], x["q_kbase"], **opts), 5 + 30 * scale ** 2)
+        q, k, v = (x[n].detach().requires_grad_() for n in ("q", "k", "v"))
+
+        def main(grads):
+            def fn():
+                out, _ = tri.attention(q, k, v, block_idx, x["q_pos"], x["q_kbase"],
+                                       block_size=dims["block"])
+                if grads:
+                    torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+            return fn
+
+        with torch.no_grad():
+            attempt("main_fwd", main(False), 2 + 10 * scale)
+        attempt("main_fwd_bwd", main(True), 2 + 30 * scale)
+        attempt("whole_fwd_bwd", lambda: whole_op(x, dims, "sparse"), 3 + 40 * scale, peak=True)
+        if flex and (dist == "coherent" or t <= 32768):
+            try:
+                attempt("flex_fwd", flex_fn(x, heads, dims, block_idx, False), 60 + 60 * scale)
+                attempt("flex_fwd_bwd", flex_fn(x, heads, dims, block_idx, True),
+                        60 + 120 * scale)
+            except Exception as e:
+                row["errors"]["flex"] = f"{type(e).__name__}: {e}"[:400]
+        if not dense_done:
+            attempt("dense_mode_fwd_bwd", lambda: whole_op(x, dims, "dense"), 5 + 200 * scale ** 2)
+            if not packed and device.type == "cuda":
+                for be in ("CUDNN_ATTENTION", "FLASH_ATTENTION"):
+                    tag = be.split("_")[0].lower()
+                    attempt(f"{tag}_fwd", sdpa_fn(x, be, False), 3 + 30 * scale ** 2)
+                    attempt(f"{tag}_fwd_bwd", sdpa_fn(x, be, True), 5 + 100 * scale ** 2,
+                            peak=(tag == "cudnn"))
+            dense_done = True
+        run.record("rows", row)
+        del x, q, k, v, block_idx
+
+
+def ceilings(run: Run):
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = time_ms(lambda: a @ b, rep_ms=500)["median"]
+    run.data["ceilings"]["matmul_bf16_tflops"] = 2 * 8192**3 / ms / 1e9
+    src = torch.empty(2 << 30, dtype=torch.int8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), rep_ms=200)["median"]
+    run.data["ceilings"]["copy_tb_per_s"] = 2 * src.numel() / ms / 1e9
+    run.save()
+    del a, b, src, dst
+
+
+# ------------------------------------------------------------------ table
+def table(data: dict) -> str:
+    rate = data["ceilings"].get("matmul_bf16_tflops", float("nan"))
+    lines = [f"GPU {data['meta']['gpu']}  matmul {rate:.0f} TFLOP/s  "
+             f"copy {data['ceilings'].get('copy_tb_per_s', float('nan')):.2f} TB/s",
+             "checks: " + ", ".join(f"{c['check']}={'ok' if c.get('ok') else 'FAIL'}"
+                                    for c in data["checks"])]
+    head = ("config", "dist", "select", "tsel", "fwd", "fwd+bwd", "whole", "floor", "dense",
+            "cudnn f/fb", "flex f/fb", "x cudnn", "x flex", "MiB op/cudnn")
+    lines.append(" | ".join(head))
+    dense = {}
+    nan = float("nan")
+    for r in data["rows"]:
+        if "ms" not in r:
+            lines.append(f"{r.get('config')} | ERROR {r.get('error', '')[:80]}")
+            continue
+        ms = {k: v["median"] for k, v in r["ms"].items()}
+        d = dense.setdefault(r["config"], dict(ms, **{"peak_" + k: v
+                                                     for k, v in r["peak_mib"].items()}))
+        whole = ms.get("whole_fwd_bwd", nan)
+        flex_fb = ms.get("flex_fwd_bwd", nan)
+        cells = (r["config"], r["dist"], f"{ms.get('select', nan):.2f}",
+                 f"{ms.get('torch_select', nan):.1f}", f"{ms.get('main_fwd', nan):.2f}",
+                 f"{ms.get('main_fwd_bwd', nan):.2f}", f"{whole:.2f}",
+                 f"{r['flops']['whole'] / rate / 1e9:.2f}",
+                 f"{d.get('dense_mode_fwd_bwd', nan):.1f}",
+                 f"{d.get('cudnn_fwd', nan):.1f}/{d.get('cudnn_fwd_bwd', nan):.1f}",
+                 f"{ms.get('flex_fwd', nan):.1f}/{flex_fb:.1f}",
+                 f"{d.get('cudnn_fwd_bwd', nan) / whole:.2f}",
+                 f"{(ms.get('torch_select', nan) + flex_fb) / whole:.2f}",
+                 f"{r['peak_mib'].get('whole_fwd_bwd', nan):.0f}/"
+                 f"{d.get('peak_cudnn_fwd_bwd', nan):.0f}")
+        lines.append(" | ".join(cells))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("out", help="JSON result path")
+    parser.add_argument("--budget", type=float, default=380.0, help="seconds for the whole run")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma list of configs")
+    parser.add_argument("--skip-checks", action="store_true")
+    parser.add_argument("--no-flex", action="store_true")
+    parser.add_argument("--commit", default=None)
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes (CPU interpreter)")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    import triton
+
+    meta = dict(gpu=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
+                torch=torch.__version__, triton=triton.__version__,
+                commit=args.commit or git_commit(), python=platform.python_version(),
+                argv=sys.argv[1:], started=time.strftime("%Y-%m-%d %H:%M:%S"))
+    run = Run(args.out, args.budget, meta)
+    dims = DRY_DIMS if args.dry_run else DIMS
+    if device.type == "cuda":
+        ceilings(run)
+    if not args.skip_checks:
+        checks = [("paper", torch.bfloat16), ("peer", torch.bfloat16), ("tp-shard", torch.bfloat16),
+                  ("paper", torch.float16)]
+        for heads_name, dtype in checks[: (1 if args.dry_run else None)]:
+            try:
+                check_vs_reference(run, heads_name, HEADS[heads_name] if not args.dry_run
+                                   else DRY_HEADS, dims, dtype, device)
+            except Exception as e:
+                run.record("checks", dict(check=f"reference-{heads_name}", ok=False,
+                                          error=f"{type(e).__name__}: {e}"[:400]))
+                traceback.print_exc()
+        try:
+            check_vs_torch_backend(run, device, dims, HEADS["paper"] if not args.dry_run
+                                   else DRY_HEADS, 8192 if not args.dry_run else 40)
+        except Exception as e:
+            run.record("checks", dict(check="torch-backend", ok=False,
+                                      error=f"{type(e).__name__}: {e}"[:400]))
+            traceback.print_exc()
+    for name in args.configs.split(","):
+        heads_name, t, packed = CONFIGS[name]
+        if args.dry_run:
+            t = 48
+        if run.left() < 10:
+            print(f"budget: skipping {name}", flush=True)
+            continue
+        try:
+            time_config(run, name, heads_name, t, packed, dims, device, not args.no_flex)
+        except Exception as e:
+            run.record("rows", dict(config=name, error=f"{type(e).__name__}: {e}"[:400]))
+            traceback.print_exc()
+    run.data["meta"]["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    run.save()
+    print(table(run.data), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

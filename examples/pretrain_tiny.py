@@ -1,0 +1,605 @@
+"""Pretrain a tiny GPT whose attention layers are MSA, on megatron-core alone (no Megatron-LM).
+
+What it does, in one invocation:
+
+1. Builds a byte-level corpus from the Python standard library's own ``*.py`` files (every
+   machine with Python has them; nothing is downloaded). Files are sorted; every
+   ``HELD_OUT_EVERY``-th file is held out for evaluation, the rest are shuffled with the seed.
+   Documents (files) are packed into windows of ``--seq-len`` tokens in Megatron's THD layout:
+   one row of tokens plus ``cu_seqlens`` marking document starts (``PackedSeqParams``).
+2. Trains a megatron-core ``GPTModel`` whose attention is MSA (``get_gpt_layer_msa_spec``):
+   dense warmup for ``--warmup-steps``, then sparse MSA (``set_msa_mode``), with the index
+   branch learning from the main branch through the KL loss.
+3. Trains the same model from the same seed with attention kept dense for every step (the
+   baseline; in dense mode the main branch is exact causal attention and the index branch reads
+   a detached input, so the backbone trains exactly like a dense-attention GPT).
+4. Prints held-out LM loss of both, writes ``metrics.json`` and a PNG plot to ``--out-dir``.
+
+Tensor parallel (``--tp``) and context parallel (``--cp``) come from megatron-core's process
+groups; the remaining ranks are data parallel. Launch with torchrun::
+
+    torchrun --standalone --nproc-per-node 4 examples/pretrain_tiny.py --tp 2 --cp 2
+
+gloo on CPU, NCCL on CUDA (``--device``). ``examples/run_tiny.sh`` creates a venv and runs this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import sysconfig
+import time
+import unittest.mock
+import warnings
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+# megatron-core warns about Transformer Engine / Apex / CUDA settings this run does not use.
+warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+
+from megatron.core import parallel_state  # noqa: E402 (after the warning filter)
+from megatron.core.models.gpt import GPTModel
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from megatron.core.transformer import TransformerConfig
+
+from msa_megatron import MSAConfig
+from msa_megatron.megatron import (
+    get_gpt_layer_msa_spec,
+    get_msa_metrics,
+    set_kl_loss_scale,
+    set_msa_mode,
+)
+
+VOCAB_SIZE = 256  # byte-level tokens
+PAD_TOKEN = 0  # NUL never occurs in Python source; padded positions carry no loss
+PAD_MULTIPLE = 16  # every packed document is padded to this, so any CP <= 8 can split it
+HELD_OUT_EVERY = 10  # every 10th file (in sorted order) is held out for evaluation
+EXCLUDED_DIRS = ("site-packages", "dist-packages")
+MAX_CP = PAD_MULTIPLE // 2
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def stdlib_files() -> List[Path]:
+    """Sorted ``*.py`` files of this interpreter's standard library (third-party dirs excluded)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [p for p in root.rglob("*.py") if not set(p.relative_to(root).parts) & set(EXCLUDED_DIRS)]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def split_files(files: Sequence[Path], seed: int) -> Dict[str, List[Path]]:
+    """Deterministic split: every ``HELD_OUT_EVERY``-th sorted file is held out; train is shuffled."""
+    held_out = [f for i, f in enumerate(files) if i % HELD_OUT_EVERY == 0]
+    train = [f for i, f in enumerate(files) if i % HELD_OUT_EVERY != 0]
+    random.Random(seed).shuffle(train)
+    return {"train": train, "held_out": held_out}
+
+
+def iter_documents(files: Sequence[Path]) -> Iterator[bytes]:
+    """Bytes of each non-empty file, cycling over the list forever."""
+    if not files:
+        raise ValueError("no Python files found in the standard library directory")
+    while True:
+        for path in files:
+            data = path.read_bytes()
+            if data:
+                yield data
+
+
+@dataclass
+class Window:
+    """One packed micro-batch row: ``tokens [S]`` int64 and the packed sequence lengths.
+
+    ``seq_lens`` sum to S; each is a multiple of ``PAD_MULTIPLE``; ``real_lens[i] <= seq_lens[i]``
+    is the unpadded length of sequence i (pads sit at the end of their sequence).
+    """
+
+    tokens: torch.Tensor
+    seq_lens: List[int]
+    real_lens: List[int]
+
+
+def pack_windows(documents: Iterator[bytes], seq_len: int) -> Iterator[Window]:
+    """Pack documents into windows of ``seq_len`` tokens (a document may continue in the next one)."""
+    if seq_len % PAD_MULTIPLE:
+        raise ValueError(f"--seq-len must be a multiple of {PAD_MULTIPLE}, got {seq_len}")
+    pending = b""
+    while True:
+        tokens = torch.full((seq_len,), PAD_TOKEN, dtype=torch.int64)
+        seq_lens: List[int] = []
+        real_lens: List[int] = []
+        used = 0
+        while used < seq_len:
+            if not pending:
+                pending = next(documents)
+            piece = pending[: seq_len - used]
+            pending = pending[len(piece):]
+            padded = -(-len(piece) // PAD_MULTIPLE) * PAD_MULTIPLE
+            tokens[used:used + len(piece)] = torch.frombuffer(bytearray(piece), dtype=torch.uint8)
+            seq_lens.append(padded)
+            real_lens.append(len(piece))
+            used += padded
+        yield Window(tokens, seq_lens, real_lens)
+
+
+def take_windows(files: Sequence[Path], seq_len: int, count: int) -> List[Window]:
+    """The first ``count`` packed windows of ``files`` (same on every rank)."""
+    stream = pack_windows(iter_documents(files), seq_len)
+    return [next(stream) for _ in range(count)]
+
+
+@dataclass
+class Batch:
+    """The part of one window that this CP rank holds, ready for ``GPTModel.forward``."""
+
+    input_ids: torch.Tensor  # [1, S / CP]
+    position_ids: torch.Tensor  # [1, S / CP] position inside the token's own document
+    labels: torch.Tensor  # [1, S / CP] next byte of the same document
+    loss_mask: torch.Tensor  # [1, S / CP] 1.0 where a label exists, 0.0 on pads and last tokens
+    packed_seq_params: PackedSeqParams
+    num_tokens_global: int  # labelled tokens of the whole window (all CP ranks)
+    attended_fraction: float  # attended key blocks / causal key blocks at top_k (whole window)
+
+
+def attended_block_fraction(seq_lens: Sequence[int], block_size: int, top_k: int) -> float:
+    """Mean over queries of ``min(top_k, own_block + 1) / (own_block + 1)`` weighted by keys.
+
+    Returns the share of causal key blocks that sparse MSA attends to in this window (1.0 for
+    dense attention): ``sum_p min(k, blk(p)+1) / sum_p (blk(p)+1)``.
+    """
+    attended = causal = 0
+    for length in seq_lens:
+        blocks = torch.arange(length) // block_size + 1
+        attended += int(torch.clamp(blocks, max=top_k).sum())
+        causal += int(blocks.sum())
+    return attended / max(causal, 1)
+
+
+def cp_partition(seq_lens: Sequence[int], cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Row indices this CP rank holds in Megatron's load-balanced THD layout.
+
+    Each sequence is cut into ``2 * cp_size`` equal chunks; rank r keeps chunks r and
+    ``2 * cp_size - 1 - r`` (MSA_SPEC section 6). Returns ``[S / cp_size]`` int64 indices.
+    """
+    pieces = []
+    start = 0
+    for length in seq_lens:
+        chunk = length // (2 * cp_size)
+        for c in (cp_rank, 2 * cp_size - 1 - cp_rank):
+            pieces.append(torch.arange(start + c * chunk, start + (c + 1) * chunk))
+        start += length
+    return torch.cat(pieces)
+
+
+def make_batch(window: Window, cp_group: Optional[dist.ProcessGroup], block_size: int,
+               top_k: int, device: torch.device) -> Batch:
+    """Labels, loss mask and packed-sequence metadata of ``window``, sliced for this CP rank."""
+    tokens = window.tokens
+    labels = torch.full_like(tokens, PAD_TOKEN)
+    loss_mask = torch.zeros(tokens.shape, dtype=torch.float32)
+    positions = torch.zeros_like(tokens)
+    start = 0
+    for length, real in zip(window.seq_lens, window.real_lens):
+        labels[start:start + real - 1] = tokens[start + 1:start + real]
+        loss_mask[start:start + real - 1] = 1.0
+        positions[start:start + length] = torch.arange(length)
+        start += length
+    cu_seqlens = torch.zeros(len(window.seq_lens) + 1, dtype=torch.int32)
+    cu_seqlens[1:] = torch.cumsum(torch.tensor(window.seq_lens), 0)
+    cp_size = 1 if cp_group is None else cp_group.size()
+    rows = cp_partition(window.seq_lens, cp_size, 0 if cp_group is None else cp_group.rank())
+    cu_seqlens = cu_seqlens.to(device)
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+        max_seqlen_q=max(window.seq_lens), max_seqlen_kv=max(window.seq_lens),
+    )
+    return Batch(
+        input_ids=tokens[rows][None].to(device),
+        position_ids=positions[rows][None].to(device),
+        labels=labels[rows][None].to(device),
+        loss_mask=loss_mask[rows][None].to(device),
+        packed_seq_params=params,
+        num_tokens_global=int(loss_mask.sum()),
+        attended_fraction=attended_block_fraction(window.seq_lens, block_size, top_k),
+    )
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def model_config(args: argparse.Namespace) -> TransformerConfig:
+    """A small Llama-style GPT: RMSNorm, SwiGLU, RoPE, GQA, no biases, no dropout."""
+    return TransformerConfig(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        ffn_hidden_size=args.ffn_hidden,
+        num_attention_heads=args.heads,
+        num_query_groups=args.query_groups,
+        kv_channels=args.hidden // args.heads,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=args.tp,
+        context_parallel_size=args.cp,
+        # Full weights are drawn on CPU from one seed and then sliced: the initial model is the
+        # same for every TP / CP layout, so runs of different layouts are comparable.
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        bf16=args.dtype == "bf16",
+    )
+
+
+def msa_config(args: argparse.Namespace) -> MSAConfig:
+    """MSA hyper-parameters from the command line (warmup starts dense)."""
+    return MSAConfig(
+        block_size=args.block_size,
+        top_k=args.top_k,
+        index_head_dim=args.index_head_dim,
+        kl_coeff=args.kl_coeff,
+        mode="dense",
+    )
+
+
+def keep_rope_on_cpu(model: GPTModel) -> None:
+    """CPU-only workaround: megatron-core's ``RotaryEmbedding.get_emb`` (0.16-0.19) moves its
+    frequencies to ``torch.cuda.current_device()`` on first use. On a CPU run, let that move
+    target the CPU; nothing else changes."""
+    rope = model.rotary_pos_emb
+    cuda_get_emb = rope.get_emb
+
+    def get_emb(*args, **kwargs):
+        with unittest.mock.patch.object(torch.cuda, "current_device", return_value="cpu"):
+            return cuda_get_emb(*args, **kwargs)
+
+    rope.get_emb = get_emb
+
+
+def build_model(args: argparse.Namespace, device: torch.device) -> GPTModel:
+    """GPTModel with MSA attention in every layer, identical initial weights for a given seed."""
+    torch.manual_seed(args.seed)
+    config = model_config(args)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_msa_spec(msa_config(args), use_te=False,
+                                                      normalization="RMSNorm"),
+        vocab_size=VOCAB_SIZE,
+        max_sequence_length=args.seq_len,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+    )
+    if device.type == "cpu":
+        keep_rope_on_cpu(model)
+    return model.to(device)
+
+
+# ----------------------------------------------------------------------------- training
+
+
+@dataclass
+class History:
+    """Per-step training log of one run (rank 0 keeps it)."""
+
+    name: str
+    steps: List[int] = field(default_factory=list)
+    loss: List[float] = field(default_factory=list)
+    kl: List[float] = field(default_factory=list)
+    kl_per_layer: List[List[float]] = field(default_factory=list)
+    attended_fraction: List[float] = field(default_factory=list)
+    mode: List[str] = field(default_factory=list)
+    tokens_per_s: List[float] = field(default_factory=list)
+    held_out_loss: Optional[float] = None
+    seconds: float = 0.0
+
+
+def layer_kls(metrics: Dict[str, float]) -> List[float]:
+    """Per-layer KL values, in layer order, from :func:`get_msa_metrics`' dictionary."""
+    prefix = "msa/kl/layer_"
+    return [metrics[k] for k in sorted(metrics) if k.startswith(prefix)]
+
+
+def learning_rate(step: int, args: argparse.Namespace) -> float:
+    """Linear warmup over ``--lr-warmup`` steps, then cosine decay to 10% of ``--lr``."""
+    if step < args.lr_warmup:
+        return args.lr * (step + 1) / args.lr_warmup
+    progress = (step - args.lr_warmup) / max(args.steps - args.lr_warmup, 1)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def all_reduce_gradients(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
+    """Sum gradients over the data-parallel x context-parallel group (ranks with equal shards).
+
+    Each rank's loss is its own tokens' share of the global mean, so the sum is the gradient of
+    the global mean loss.
+    """
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if dist.get_world_size(group) == 1 or not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float, tp_group: dist.ProcessGroup) -> float:
+    """Clip by the global gradient norm; TP-sharded weights count on every TP rank, replicated
+    ones once (megatron-core's ``param_is_not_tensor_parallel_duplicate``). Returns the norm."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    squares = torch.zeros((), dtype=torch.float32, device=params[0].grad.device)
+    for p in params:
+        if param_is_not_tensor_parallel_duplicate(p):
+            squares += p.grad.float().pow(2).sum()
+    dist.all_reduce(squares, group=tp_group)
+    norm = float(squares.sqrt())
+    if norm > max_norm:
+        for p in params:
+            p.grad.mul_(max_norm / (norm + 1e-6))
+    return norm
+
+
+def lm_loss(model: GPTModel, batch: Batch, autocast: bool) -> torch.Tensor:
+    """This rank's share of the window's mean next-byte loss: ``sum(local losses) / N_global``."""
+    with torch.autocast(batch.input_ids.device.type, dtype=torch.bfloat16, enabled=autocast):
+        per_token = model(batch.input_ids, batch.position_ids, None, labels=batch.labels,
+                          packed_seq_params=batch.packed_seq_params)
+    return (per_token.float() * batch.loss_mask).sum() / max(batch.num_tokens_global, 1)
+
+
+def run(name: str, args: argparse.Namespace, device: torch.device, sparse_after: Optional[int],
+        train_windows: List[Window], eval_windows: List[Window]) -> History:
+    """Train one model for ``args.steps`` steps; ``sparse_after=None`` keeps attention dense."""
+    dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    dp_group = parallel_state.get_data_parallel_group()
+    cp_group = parallel_state.get_context_parallel_group()
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    dp_rank, dp_size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
+    is_logger = dist.get_rank() == 0
+    autocast = args.dtype == "bf16"
+
+    model = build_model(args, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
+                                  weight_decay=0.1)
+    # The KL gradient is injected inside each layer; scale it like the LM loss, whose gradient
+    # is summed over data-parallel ranks (CP ranks already share one KL normaliser).
+    set_kl_loss_scale(1.0 / dp_size)
+    history = History(name)
+    mode = "dense"
+    set_msa_mode(model, mode)
+    model.train()
+    start = time.perf_counter()
+    for step in range(args.steps):
+        if sparse_after is not None and step == sparse_after:
+            mode = "sparse"
+            set_msa_mode(model, mode)
+        step_start = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, args)
+        window = train_windows[step * dp_size + dp_rank]
+        batch = make_batch(window, cp_group, args.block_size, args.top_k, device)
+        optimizer.zero_grad(set_to_none=True)
+        loss = lm_loss(model, batch, autocast)
+        loss.backward()
+        all_reduce_gradients(model, dp_cp_group)
+        clip_grad_norm(model, args.clip_grad, tp_group)
+        optimizer.step()
+
+        logged = torch.tensor([loss.item(), batch.attended_fraction if mode == "sparse" else 1.0],
+                              dtype=torch.float64, device=device)
+        dist.all_reduce(logged, group=dp_cp_group)  # loss: sum of shares; fraction: mean below
+        kl_per_layer = layer_kls(get_msa_metrics())  # collective: every rank calls it
+        elapsed = time.perf_counter() - step_start
+        if is_logger:
+            history.steps.append(step + 1)
+            history.loss.append(float(logged[0]) / dp_size)
+            history.attended_fraction.append(float(logged[1]) / dist.get_world_size(dp_cp_group))
+            history.kl_per_layer.append(kl_per_layer)
+            history.kl.append(sum(kl_per_layer) / len(kl_per_layer))
+            history.mode.append(mode)
+            history.tokens_per_s.append(args.seq_len * dp_size / elapsed)
+            if (step + 1) % args.log_interval == 0 or step == 0 or step + 1 == args.steps:
+                print(f"[{name}] step {step + 1:4d}/{args.steps} {mode:6s} "
+                      f"loss {history.loss[-1]:.4f}  kl {history.kl[-1]:.4f} "
+                      f"(layers {' '.join(f'{v:.3f}' for v in kl_per_layer)})  "
+                      f"blocks {history.attended_fraction[-1]:.2f}  "
+                      f"{history.tokens_per_s[-1]:,.0f} tok/s", flush=True)
+    history.seconds = time.perf_counter() - start
+    held_out = evaluate(model, eval_windows, args, device)
+    if is_logger:
+        history.held_out_loss = held_out
+        print(f"[{name}] held-out loss {held_out:.4f} ({mode} attention, {len(eval_windows)} "
+              f"windows of {args.seq_len} tokens); {history.seconds:.0f} s for {args.steps} steps",
+              flush=True)
+    return history
+
+
+@torch.no_grad()
+def evaluate(model: GPTModel, windows: List[Window], args: argparse.Namespace,
+             device: torch.device) -> float:
+    """Mean next-byte loss over held-out windows (token-weighted), in the model's current mode."""
+    cp_group = parallel_state.get_context_parallel_group()
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    tokens = 0
+    for window in windows:
+        batch = make_batch(window, cp_group, args.block_size, args.top_k, device)
+        loss_sum += float(lm_loss(model, batch, args.dtype == "bf16")) * batch.num_tokens_global
+        tokens += batch.num_tokens_global
+    dist.all_reduce(loss_sum, group=cp_group)  # each CP rank holds its tokens' share
+    return float(loss_sum) / max(tokens, 1)
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def plot(histories: List[History], path: Path, warmup_steps: int) -> None:
+    """One PNG: training loss of every run, the MSA-minus-dense loss gap (when both ran) and the
+    index-branch KL."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {h.name: h for h in histories}
+    with_gap = "msa" in runs and "dense" in runs
+    fig, axes = plt.subplots(1, 3 if with_gap else 2, figsize=(16 if with_gap else 11, 4))
+    ax_loss, ax_kl = axes[0], axes[-1]
+    styles = {"msa": dict(color="tab:red"), "dense": dict(color="tab:blue", linestyle="--")}
+    for h in histories:
+        label = f"{h.name} (held-out {h.held_out_loss:.3f})" if h.held_out_loss else h.name
+        ax_loss.plot(h.steps, h.loss, label=label, **styles.get(h.name, {}))
+        ax_kl.plot(h.steps, h.kl, label=f"{h.name}: mean KL over layers", **styles.get(h.name, {}))
+    if with_gap:
+        gap = [m - d for m, d in zip(runs["msa"].loss, runs["dense"].loss)]
+        axes[1].plot(runs["msa"].steps, gap, color="tab:purple", label="msa - dense")
+        axes[1].axhline(0.0, color="black", linewidth=0.6)
+        axes[1].set_ylabel("loss difference (nats / byte)")
+        axes[1].set_title("cost of sparse attention, step by step")
+    for ax in axes:
+        ax.axvline(warmup_steps + 0.5, color="gray", linewidth=0.8, label="msa: dense -> sparse")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    ax_loss.set_ylabel("LM loss (nats / byte)")
+    ax_loss.set_title("training loss, same data order for both runs")
+    ax_kl.set_ylabel("KL(main attention || index branch)")
+    ax_kl.set_yscale("log")
+    ax_kl.set_title("index-branch KL per token and index head")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--warmup-steps", type=int, default=30,
+                   help="dense-attention steps before switching MSA to sparse")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per packed window")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--ffn-hidden", type=int, default=704)
+    p.add_argument("--heads", type=int, default=4, help="query heads (head dim = hidden / heads)")
+    p.add_argument("--query-groups", type=int, default=2, help="GQA KV groups")
+    p.add_argument("--block-size", type=int, default=64, help="MSA key block size")
+    p.add_argument("--top-k", type=int, default=8, help="MSA selected blocks per query")
+    p.add_argument("--index-head-dim", type=int, default=64)
+    p.add_argument("--kl-coeff", type=float, default=1.0)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr-warmup", type=int, default=10)
+    p.add_argument("--clip-grad", type=float, default=1.0)
+    p.add_argument("--eval-windows", type=int, default=4)
+    p.add_argument("--no-baseline", action="store_true", help="skip the dense-attention run")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--device", choices=("cpu", "cuda"),
+                   default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
+                   help="compute dtype (default: bf16 autocast on CUDA, fp32 on CPU)")
+    p.add_argument("--log-interval", type=int, default=5)
+    p.add_argument("--out-dir", type=Path, default=Path("runs/pretrain_tiny"))
+    p.add_argument("--quick", action="store_true",
+                   help="a few steps at a tiny size (CI smoke run)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.warmup_steps, args.seq_len = 8, 3, 256
+        args.layers, args.hidden, args.ffn_hidden = 2, 128, 256
+        args.heads, args.query_groups = 2, 2
+        args.block_size, args.top_k, args.index_head_dim = 16, 4, 64
+        args.eval_windows, args.lr_warmup, args.log_interval = 2, 2, 1
+    if args.dtype is None:
+        args.dtype = "bf16" if args.device == "cuda" else "fp32"
+    if not 1 <= args.cp <= MAX_CP:
+        p.error(f"--cp must be in [1, {MAX_CP}] (documents are padded to {PAD_MULTIPLE} tokens)")
+    if args.warmup_steps > args.steps:
+        p.error("--warmup-steps must not exceed --steps")
+    return args
+
+
+def init_distributed(args: argparse.Namespace) -> torch.device:
+    """Join torchrun's process group (or a one-rank group when run without torchrun)."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29511")
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if args.device == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+        if "OMP_NUM_THREADS" not in os.environ:  # share the cores; oversubscription is slow
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=rank,
+                            world_size=world, timeout=timedelta(minutes=10))
+    if world % (args.tp * args.cp):
+        raise ValueError(f"world size {world} is not a multiple of --tp {args.tp} x --cp {args.cp}")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp,
+                                             context_parallel_size=args.cp)
+    if args.device == "cuda":
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(args.seed)
+    return device
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    device = init_distributed(args)
+    dp_size = parallel_state.get_data_parallel_world_size()
+    is_logger = dist.get_rank() == 0
+    if is_logger:
+        print(f"world {dist.get_world_size()} = TP {args.tp} x CP {args.cp} x DP {dp_size} "
+              f"on {device.type} ({args.dtype}); {args.layers} layers, hidden {args.hidden}, "
+              f"{args.heads} heads / {args.query_groups} groups; seq {args.seq_len}, "
+              f"MSA block {args.block_size} top-k {args.top_k}; {args.steps} steps, "
+              f"dense warmup {args.warmup_steps}", flush=True)
+
+    split = split_files(stdlib_files(), args.seed)
+    train_windows = take_windows(split["train"], args.seq_len, args.steps * dp_size)
+    eval_windows = take_windows(split["held_out"], args.seq_len, args.eval_windows)
+    if is_logger:
+        print(f"data: {len(split['train'])} train / {len(split['held_out'])} held-out stdlib files "
+              f"({sysconfig.get_paths()['stdlib']}); {len(train_windows)} train windows, "
+              f"{len(eval_windows)} held-out windows", flush=True)
+
+    histories = [run("msa", args, device, args.warmup_steps, train_windows, eval_windows)]
+    if not args.no_baseline:
+        histories.append(run("dense", args, device, None, train_windows, eval_windows))
+
+    if is_logger:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        record = {"args": {k: str(v) for k, v in vars(args).items()},
+                  "runs": [vars(h) for h in histories]}
+        (args.out_dir / "metrics.json").write_text(json.dumps(record, indent=1))
+        plot(histories, args.out_dir / "pretrain_tiny.png", args.warmup_steps)
+        print("held-out loss: " + ", ".join(f"{h.name} {h.held_out_loss:.4f}" for h in histories))
+        print(f"wrote {args.out_dir / 'metrics.json'} and {args.out_dir / 'pretrain_tiny.png'}",
+              flush=True)
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""megatron-core integration of MSA: layer spec, attention modules, KL loss plumbing, metrics.
+
+Entry points: :func:`get_gpt_layer_msa_spec` (or ``--spec msa_megatron.megatron.spec
+gpt_layer_msa_spec`` in Megatron-LM), :func:`set_msa_mode` / :func:`apply_msa_warmup`,
+:func:`set_kl_loss_scale` with :func:`schedule_loss_scale` (megatron-core 0.16; 0.19's schedule
+sets it) and
+:func:`get_msa_metrics`.
+"""
+
+from .attention import (
+    MSACoreAttention,
+    MSASelfAttention,
+    MSASelfAttentionSubmodules,
+    apply_msa_warmup,
+    clear_selection_cache,
+    reset_selection_counts,
+    selection_counts,
+    set_msa_mode,
+)
+from .checkpoint import load_dense_checkpoint, msa_only_keys
+from .loss import get_kl_loss_scale, get_msa_metrics, schedule_loss_scale, set_kl_loss_scale
+from .spec import MSALayerSpec, get_gpt_layer_msa_spec, gpt_layer_msa_spec
+
+__all__ = [
+    "MSACoreAttention",
+    "MSALayerSpec",
+    "MSASelfAttention",
+    "MSASelfAttentionSubmodules",
+    "apply_msa_warmup",
+    "clear_selection_cache",
+    "get_gpt_layer_msa_spec",
+    "get_kl_loss_scale",
+    "get_msa_metrics",
+    "gpt_layer_msa_spec",
+    "load_dense_checkpoint",
+    "msa_only_keys",
+    "reset_selection_counts",
+    "schedule_loss_scale",
+    "selection_counts",
+    "set_kl_loss_scale",
+    "set_msa_mode",
+]

@@ -1,0 +1,191 @@
+"""The index-branch KL loss inside megatron-core training: gradient plumbing and metrics.
+
+MSA_SPEC section 4: ``L = L_lm + kl_coeff * sum_layers L_kl``. Megatron's loss function only sees
+the LM loss, so each MSA layer attaches its KL to its attention output with an identity autograd
+function (:class:`KLLossAutoScaler`, the pattern megatron-core uses for MoE auxiliary losses):
+the forward returns the output unchanged, the backward passes the output gradient through and
+feeds ``kl_coeff * loss_scale`` to the KL, so ``loss.backward()`` trains the index branch.
+
+``loss_scale`` is what the pipeline schedule multiplies the LM loss by (``1 / num_microbatches``,
+times the fp16 loss scale, times the CP size when megatron scales the LM loss by it):
+
+- megatron-core >= 0.19: :func:`msa_megatron.megatron.compat.install_kl_loss_scale_hook` sets
+  ``config.experimental_attention_variant_loss_scale_func = set_kl_loss_scale``; the schedule
+  calls it every micro-batch.
+- megatron-core 0.16: the schedule has no hook. Before every ``forward_backward_func`` call
+  ``set_kl_loss_scale(schedule_loss_scale(config, num_microbatches, cp_size))``, the value
+  0.16's schedule gives MoE auxiliary losses (``cp_size / num_microbatches`` times the mixed
+  precision grad scale); without the call the scale is 1.
+
+Per-layer KL values are accumulated on the device without host synchronisation and read with
+:func:`get_msa_metrics`, which reduces them over every rank (TP/CP partial sums added, DP
+replicas and micro-batches averaged, pipeline stages gathered).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+METRIC_PREFIX = "msa/kl"
+
+_loss_scale: Optional[torch.Tensor] = None
+
+
+def set_kl_loss_scale(scale: Union[float, torch.Tensor]) -> None:
+    """Set the factor the KL gradient is multiplied by (besides ``kl_coeff``).
+
+    Args:
+        scale: the pipeline schedule's loss scale (0-dim tensor or float), e.g.
+            ``1 / num_microbatches``. On megatron-core >= 0.19 the schedule calls this itself.
+    """
+    global _loss_scale
+    _loss_scale = scale.detach().clone() if isinstance(scale, torch.Tensor) else torch.tensor(
+        float(scale))
+
+
+def schedule_loss_scale(config, num_microbatches: int, cp_size: int = 1) -> torch.Tensor:
+    """The auxiliary-loss scale megatron-core's pipeline schedule uses (for 0.16, which does not
+    hand it to the MSA layers itself).
+
+    Args:
+        config: the model's TransformerConfig (``grad_scale_func``, ``calculate_per_token_loss``).
+        num_microbatches: micro-batches per step; cp_size: context-parallel size.
+
+    Returns:
+        1-element float tensor: ``grad_scale`` if ``calculate_per_token_loss`` else
+        ``grad_scale * cp_size / num_microbatches``.
+    """
+    ones = torch.ones(1)
+    scale = config.grad_scale_func(ones) if config.grad_scale_func is not None else ones
+    if config.calculate_per_token_loss:
+        return scale
+    return scale * cp_size / num_microbatches
+
+
+def get_kl_loss_scale() -> float:
+    """The current KL loss scale (1.0 until :func:`set_kl_loss_scale` is called)."""
+    return 1.0 if _loss_scale is None else float(_loss_scale)
+
+
+class KLLossAutoScaler(torch.autograd.Function):
+    """Identity on the attention output; in backward it feeds ``kl_coeff * loss_scale`` to the
+    KL (the MoE auxiliary-loss pattern of megatron-core)."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, kl: torch.Tensor, kl_coeff: float) -> torch.Tensor:
+        ctx.save_for_backward(kl)
+        ctx.kl_coeff = kl_coeff
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (kl,) = ctx.saved_tensors
+        scale = torch.ones_like(kl) * ctx.kl_coeff
+        if _loss_scale is not None:
+            scale = scale * _loss_scale.to(device=kl.device, dtype=kl.dtype)
+        return grad_output, scale, None
+
+
+def attach_kl_loss(output: torch.Tensor, kl: torch.Tensor, kl_coeff: float) -> torch.Tensor:
+    """Return ``output`` unchanged with ``kl`` attached to its backward (no-op without grad).
+
+    With ``kl_coeff == 0`` the index branch still gets (zero) gradients, so every trainable
+    parameter has a gradient, as megatron-core's DDP buckets expect.
+
+    Args:
+        output: the attention output (any shape).
+        kl: 0-dim fp32 KL of this rank's share of the layer (``kl_scale`` already applied).
+        kl_coeff: MSAConfig.kl_coeff.
+    """
+    if not (torch.is_grad_enabled() and kl.requires_grad):
+        return output
+    return KLLossAutoScaler.apply(output, kl, kl_coeff)
+
+
+class _MetricTracker:
+    """Per-layer sums of KL shares (on their device) and of their weights (host floats)."""
+
+    def __init__(self) -> None:
+        self.values: Dict[int, torch.Tensor] = {}
+        self.weights: Dict[int, float] = {}
+
+    def record(self, layer_number: int, kl: torch.Tensor, weight: float) -> None:
+        value = kl.detach().float()
+        if layer_number in self.values:
+            self.values[layer_number] = self.values[layer_number] + value
+        else:
+            self.values[layer_number] = value
+        self.weights[layer_number] = self.weights.get(layer_number, 0.0) + weight
+
+    def reset(self) -> None:
+        self.values.clear()
+        self.weights.clear()
+
+
+_TRACKER = _MetricTracker()
+
+
+def record_kl(layer_number: int, kl: torch.Tensor, parts: int) -> None:
+    """Record one micro-batch's KL share of a layer.
+
+    Args:
+        layer_number: the layer's global 1-based number.
+        kl: this rank's 0-dim KL share (the layer's KL is the sum of the ``parts`` shares).
+        parts: number of ranks whose shares add up to the layer's KL (TP size x CP size).
+    """
+    # Each share is weighted 1/parts in the count, so after summing over all ranks the count is
+    # (micro-batches x DP replicas) while the values hold the full KL of each of them.
+    _TRACKER.record(layer_number, kl, 1.0 / parts)
+
+
+def _metrics_device() -> torch.device:
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def get_msa_metrics(reset: bool = True,
+                    group: Optional[dist.ProcessGroup] = None) -> Dict[str, float]:
+    """Mean KL per MSA layer since the last reset, reduced over all ranks.
+
+    A collective over ``group`` (default: the whole world) when torch.distributed is
+    initialised: every rank must call it. TP and CP shares of a layer's KL are added, DP
+    replicas and micro-batches averaged, pipeline stages combined.
+
+    Args:
+        reset: clear the accumulated values afterwards.
+        group: the process group to reduce over.
+
+    Returns:
+        ``{"msa/kl/layer_01": ..., ..., "msa/kl": mean over layers}`` (floats, KL in nats per
+        token and index head, before ``kl_coeff``); empty when no MSA layer ran.
+    """
+    local_max = max(_TRACKER.values, default=0)
+    device = _metrics_device()
+    distributed = dist.is_initialized()
+    num_layers = torch.tensor([local_max], dtype=torch.int64, device=device)
+    if distributed:
+        dist.all_reduce(num_layers, op=dist.ReduceOp.MAX, group=group)
+    count = int(num_layers.item())
+    values = torch.zeros(2, count, dtype=torch.float64, device=device)
+    for layer, value in _TRACKER.values.items():
+        values[0, layer - 1] = value.to(device=device, dtype=torch.float64)
+        values[1, layer - 1] = _TRACKER.weights[layer]
+    if distributed:
+        dist.all_reduce(values, group=group)
+    if reset:
+        _TRACKER.reset()
+    metrics: Dict[str, float] = {}
+    per_layer = []
+    for layer in range(count):
+        weight = float(values[1, layer])
+        if weight > 0:
+            mean = float(values[0, layer]) / weight
+            metrics[f"{METRIC_PREFIX}/layer_{layer + 1:02d}"] = mean
+            per_layer.append(mean)
+    if per_layer:
+        metrics[METRIC_PREFIX] = sum(per_layer) / len(per_layer)
+    return metrics

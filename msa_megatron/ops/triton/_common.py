@@ -1,0 +1,94 @@
+"""Helpers shared by the Triton kernels: interpreter flags, tile sizes, the one matmul wrapper.
+
+Importing this module imports Triton; :mod:`msa_megatron.ops.triton` imports it lazily, so
+``import msa_megatron`` never pulls Triton in (``TRITON_INTERPRET`` must be set before that).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+# Rows of one matrix-unit tile: tl.dot needs M, N, K >= 16; a Hopper warpgroup MMA wants 64.
+MIN_DOT_ROWS = 16
+# Rows (token x head pairs) packed into one tile by the kernels that gather queries.
+GATHER_ROWS = 64
+# Key-tile width of the dense (warmup) kernels.
+DENSE_KEY_TILE = 64
+# Programs per multiprocessor of the persistent key-block-outer kernels.
+PROGRAMS_PER_SM = 4
+# Programs of a persistent kernel under the interpreter (runs them one after the other).
+INTERPRETER_PROGRAMS = 4
+
+
+def interpreting() -> bool:
+    """True when Triton runs its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= ``n`` (>= 1)."""
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def dot_flags(dtype: torch.dtype) -> tuple:
+    """``(UPCAST, IEEE)`` constexprs of :func:`mma` for inputs of ``dtype``.
+
+    The interpreter multiplies bf16 operands as raw bits, so they are upcast there; fp32 inputs
+    use exact fp32 products (not tf32) so fp32 runs match the fp32 oracle.
+    """
+    return interpreting() and dtype == torch.bfloat16, dtype == torch.float32
+
+
+@lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def persistent_programs(device: torch.device, work_items: int) -> int:
+    """Program count of a persistent kernel over ``work_items`` items (>= 1)."""
+    if device.type != "cuda":
+        return max(1, min(work_items, INTERPRETER_PROGRAMS))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return max(1, min(work_items, PROGRAMS_PER_SM * _sm_count(index)))
+
+
+@triton.jit
+def mma(a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """``a @ b`` with fp32 accumulation (see :func:`dot_flags`)."""
+    if UPCAST:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32))
+    elif IEEE:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
+def support_mask(krow, kmask, kbase, pos, valid):
+    """``[R, N]`` bool: key row ``krow[n]`` lies in row ``r``'s causal row (same sequence, u <= p).
+
+    ``kbase``/``pos``/``valid`` are per row ``[R]``; ``kmask [N]`` marks loaded key rows.
+    """
+    u = krow[None, :] - kbase[:, None]
+    return (u >= 0) & (u <= pos[:, None]) & valid[:, None] & kmask[None, :]
+
+
+@triton.jit
+def token_mean(p, TOK: tl.constexpr, HR: tl.constexpr, HEADS: tl.constexpr):
+    """Mean over each token's ``HEADS`` head rows of ``p [TOK*HR, N]``, broadcast back to its rows.
+
+    Rows ``r`` hold token ``r // HR`` and head ``r % HR``; rows of padding heads must be zero.
+    """
+    N: tl.constexpr = p.shape[1]
+    if TOK == 1:
+        out = tl.broadcast_to(tl.sum(p, axis=0)[None, :] / HEADS, (HR, N))
+    else:
+        per_token = tl.sum(tl.reshape(p, (TOK, HR, N)), axis=1) / HEADS
+        out = tl.reshape(tl.broadcast_to(per_token[:, None, :], (TOK, HR, N)), (TOK * HR, N))
+    return out

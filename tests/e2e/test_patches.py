@@ -1,0 +1,144 @@
+"""patches/ apply cleanly to megatron-core 0.19.2's ``megatron/training`` and stay consistent.
+
+The tree comes from the megatron-core 0.19.2 wheel (``megatron.training`` ships inside it). The
+wheel is looked up in ``$MSA_MEGATRON_CACHE/wheels`` (``.ci/run`` pre-downloads it there), else
+downloaded with pip; the tests skip, saying why, only when neither works (offline machine).
+The wheel needs Python >= 3.12, so it is unpacked, never installed: the checks are textual
+(``git apply --check``, ``patch --dry-run``), syntactic (the patched files compile) and, for the
+argument flags, functional (the patched flag parser is run on its own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import List
+
+import pytest
+
+from msa_megatron import MSAConfig
+
+REPO = Path(__file__).resolve().parents[2]
+PATCHES = sorted((REPO / "patches").glob("*.patch"))
+BASE_VERSION = "0.19.2"
+TREE_PREFIX = "megatron/training/"
+DOWNLOAD_TIMEOUT_S = 300
+MSA_ARG_NODES = ("_MSA_CONFIG_FLAGS", "_add_msa_args", "msa_config_from_args")
+
+
+def _cache_dir() -> Path:
+    default = Path.home() / ".cache" / "msa-megatron"
+    return Path(os.environ.get("MSA_MEGATRON_CACHE", default)) / "wheels"
+
+
+def _find_wheel(directory: Path) -> List[Path]:
+    return sorted(directory.glob(f"megatron_core-{BASE_VERSION}-*.whl"))
+
+
+@pytest.fixture(scope="module")
+def base_wheel() -> Path:
+    cache = _cache_dir()
+    if not _find_wheel(cache):
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+               "--python-version", "3.12", f"megatron-core=={BASE_VERSION}", "-d", str(cache)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pytest.skip(f"megatron-core {BASE_VERSION} wheel not cached in {cache} and the "
+                        f"download timed out (offline?)")
+        if proc.returncode != 0 or not _find_wheel(cache):
+            pytest.skip(f"megatron-core {BASE_VERSION} wheel not cached in {cache} and pip could "
+                        f"not download it (offline?): {proc.stderr.strip()[-300:]}")
+    return _find_wheel(cache)[0]
+
+
+@pytest.fixture()
+def training_tree(base_wheel: Path, tmp_path: Path) -> Path:
+    """A fresh copy of the wheel's megatron/training; returns the directory holding megatron/."""
+    with zipfile.ZipFile(base_wheel) as wheel:
+        members = [m for m in wheel.namelist() if m.startswith(TREE_PREFIX)]
+        assert members, f"{base_wheel.name} has no {TREE_PREFIX}"
+        wheel.extractall(tmp_path, members)
+    return tmp_path
+
+
+def test_patches_exist():
+    assert [p.name for p in PATCHES] == [
+        "0001-msa-arguments.patch",
+        "0002-msa-layer-spec.patch",
+        "0003-msa-warmup-and-kl-logging.patch",
+    ]
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_git_apply_check(training_tree: Path):
+    proc = subprocess.run(["git", "apply", "--check", "-v", *map(str, PATCHES)],
+                          cwd=training_tree, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("patch") is None, reason="GNU patch is not installed")
+def test_patch_applies_without_fuzz(training_tree: Path):
+    for patch in PATCHES:
+        proc = subprocess.run(["patch", "-p1", "--forward", "--batch", "-i", str(patch)],
+                              cwd=training_tree, capture_output=True, text=True)
+        assert proc.returncode == 0, f"{patch.name}:\n{proc.stdout}{proc.stderr}"
+        assert "fuzz" not in proc.stdout, f"{patch.name} needed fuzz:\n{proc.stdout}"
+    assert not list(training_tree.rglob("*.rej"))
+
+
+def _apply_all(tree: Path) -> None:
+    for patch in PATCHES:
+        subprocess.run(["patch", "-p1", "--forward", "--batch", "--quiet", "-i", str(patch)],
+                       cwd=tree, check=True)
+
+
+@pytest.mark.skipif(shutil.which("patch") is None, reason="GNU patch is not installed")
+def test_patched_files_compile(training_tree: Path):
+    _apply_all(training_tree)
+    for name in ("arguments.py", "argument_utils.py", "training.py"):
+        path = training_tree / TREE_PREFIX / name
+        compile(path.read_text(), str(path), "exec")
+
+
+def _msa_argument_functions(arguments_py: Path) -> dict:
+    """Execute only the MSA flag definitions of the patched arguments.py (megatron.training
+    itself needs Python >= 3.12 and CUDA-era imports)."""
+    tree = ast.parse(arguments_py.read_text())
+    nodes = [n for n in tree.body
+             if (isinstance(n, ast.FunctionDef) and n.name in MSA_ARG_NODES)
+             or (isinstance(n, ast.Assign) and any(getattr(t, "id", None) in MSA_ARG_NODES
+                                                   for t in n.targets))]
+    assert len(nodes) == len(MSA_ARG_NODES), [getattr(n, "name", None) for n in nodes]
+    namespace: dict = {}
+    exec(compile(ast.Module(body=nodes, type_ignores=[]), str(arguments_py), "exec"), namespace)
+    return namespace
+
+
+@pytest.mark.skipif(shutil.which("patch") is None, reason="GNU patch is not installed")
+def test_patched_flags_build_msa_config(training_tree: Path):
+    _apply_all(training_tree)
+    fns = _msa_argument_functions(training_tree / TREE_PREFIX / "arguments.py")
+    msa_fields = {f.name for f in dataclasses.fields(MSAConfig)}
+    assert set(fns["_MSA_CONFIG_FLAGS"]) <= msa_fields
+
+    parser = fns["_add_msa_args"](argparse.ArgumentParser())
+    defaults = fns["msa_config_from_args"](parser.parse_args([]))
+    assert defaults == dataclasses.replace(MSAConfig(), mode="sparse")
+
+    args = parser.parse_args(["--msa", "--msa-top-k", "8", "--msa-block-size", "64",
+                              "--msa-index-head-dim", "64", "--msa-kl-coeff", "0.5",
+                              "--msa-warmup-steps", "100", "--msa-cp-kv-exchange", "selective"])
+    assert args.msa
+    config = fns["msa_config_from_args"](args)
+    assert (config.top_k, config.block_size, config.index_head_dim, config.kl_coeff) == (8, 64, 64, 0.5)
+    assert (config.mode, config.cp_kv_exchange) == ("dense", "selective")
+    with pytest.raises(ValueError, match="top_k"):
+        fns["msa_config_from_args"](parser.parse_args(["--msa-top-k", "0"]))

@@ -1,0 +1,110 @@
+"""MSA parameters through megatron-core distributed checkpointing: save at TP=2, resume at TP=2
+and at TP=1 with the same next-step loss; a dense GPT checkpoint (TP=2) loads into the MSA model
+(TP=1) with fresh index projections (the dense -> warmup -> sparse conversion path)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.dist_utils import cuda_device_as_cpu, run_distributed
+from tests.megatron.gpt_harness import (
+    BATCH,
+    Setup,
+    batch,
+    build_model,
+    full_tensor,
+    tolerance,
+    train,
+)
+
+pytestmark = pytest.mark.slow
+
+SETUP = Setup(formats=["sbhd", "thd"])
+LOCAL = dataclasses.replace(SETUP, use_te=False)  # parameter names of the dense local GPT
+
+
+def _next_loss(model) -> torch.Tensor:
+    tokens, positions, packed = batch(1, "thd")
+    with torch.no_grad():
+        return model(tokens, positions, None, labels=tokens, packed_seq_params=packed).mean().cpu()
+
+
+def _save_msa(rank: int, world_size: int, path: str) -> torch.Tensor:
+    from megatron.core import dist_checkpointing
+
+    model = build_model(SETUP, world_size)
+    train(model, SETUP, steps=1)
+    with cuda_device_as_cpu():
+        dist_checkpointing.save(model.sharded_state_dict(), path)
+    return _next_loss(model)
+
+
+def _resume_msa(rank: int, world_size: int, path: str) -> torch.Tensor:
+    from megatron.core import dist_checkpointing
+
+    model = build_model(dataclasses.replace(SETUP, seed=7), world_size)
+    with cuda_device_as_cpu():
+        state = dist_checkpointing.load(model.sharded_state_dict(), path)
+    model.load_state_dict(state)
+    return _next_loss(model)
+
+
+def test_msa_checkpoint_resume_and_reshard(tmp_path):
+    path = str(tmp_path / "msa")
+    (tmp_path / "msa").mkdir()
+    expected = run_distributed(_save_msa, 2, args=(path,), tp=2)[0]
+    for tp in (2, 1):
+        losses = run_distributed(_resume_msa, tp, args=(path,), tp=tp)
+        for loss in losses:
+            torch.testing.assert_close(loss, expected, **tolerance(rtol=1e-5, atol=1e-6))
+
+
+def _save_dense(rank: int, world_size: int, path: str) -> dict:
+    """A dense megatron-core GPT (local layers) saved at TP=2; returns its full weights."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    msa_model = build_model(LOCAL, world_size)  # only for its TransformerConfig
+    torch.manual_seed(99)
+    dense = GPTModel(config=msa_model.config,
+                     transformer_layer_spec=get_gpt_layer_local_spec(
+                         qk_layernorm=True, normalization="RMSNorm"),
+                     vocab_size=msa_model.vocab_size, max_sequence_length=SETUP.seq * BATCH,
+                     position_embedding_type="rope")
+    with cuda_device_as_cpu():
+        dist_checkpointing.save(dense.sharded_state_dict(), path)
+    return {n: full_tensor(p) for n, p in dense.named_parameters()}
+
+
+def _load_dense(rank: int, world_size: int, path: str) -> dict:
+    from msa_megatron.megatron import load_dense_checkpoint, set_msa_mode
+
+    model = build_model(LOCAL, world_size)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with cuda_device_as_cpu():
+        skipped = load_dense_checkpoint(model, path)
+    set_msa_mode(model, "dense")
+    loss = _next_loss(model)
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "before": before, "skipped": skipped, "loss": loss}
+
+
+def test_dense_checkpoint_into_msa_model(tmp_path):
+    path = str(tmp_path / "dense")
+    (tmp_path / "dense").mkdir()
+    dense = run_distributed(_save_dense, 2, args=(path,), tp=2)[0]
+    loaded = run_distributed(_load_dense, 1, args=(path,), tp=1)[0]
+    msa_names = {n for n in loaded["params"] if "_idx" in n}
+    assert msa_names and set(dense) == set(loaded["params"]) - msa_names
+    for name, weight in dense.items():
+        torch.testing.assert_close(loaded["params"][name], weight, rtol=0, atol=0, msg=name)
+        if weight.dim() == 2:  # matrices start from another random init (norms start at 1)
+            assert not torch.equal(loaded["before"][name], weight), f"{name} was not loaded"
+    for name in msa_names:
+        assert torch.equal(loaded["params"][name], loaded["before"][name])
+    assert all("_idx" in key for key in loaded["skipped"]) and loaded["skipped"]
+    assert torch.isfinite(loaded["loss"])

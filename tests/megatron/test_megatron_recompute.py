@@ -1,0 +1,82 @@
+"""Activation recomputation (selective ``core_attn`` and full layer) reuses the selection made in
+the first forward of each micro-batch: same gradients as without recomputation, one selection per
+layer and micro-batch, also when two micro-batches are in flight (pipeline-style 2 forwards,
+then 2 backwards)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+from tests.megatron.gpt_harness import (
+    Setup,
+    batch,
+    build_model,
+    full_grads,
+    sum_qk_norm_grads,
+    tolerance,
+)
+
+pytestmark = pytest.mark.slow
+
+MICRO_BATCHES = 2
+
+
+def _two_micro_batches(rank: int, world_size: int, setup: Setup, tp: int) -> dict:
+    from msa_megatron.megatron import get_msa_metrics, reset_selection_counts, selection_counts
+
+    model = build_model(setup, tp)
+    reset_selection_counts()
+    losses = []
+    for micro in range(MICRO_BATCHES):
+        tokens, positions, packed = batch(micro, setup.formats[micro])
+        losses.append(model(tokens, positions, None, labels=tokens,
+                            packed_seq_params=packed).mean())
+    forward_counts = selection_counts()
+    stored_after_forward = sum(len(core._selection_fifo) for core in _cores(model))
+    for loss in losses:
+        loss.backward()
+    sum_qk_norm_grads(model)
+    stored = sum(len(core._selection_fifo) for core in _cores(model))
+    return {"loss": torch.stack(losses).detach().cpu(), "grads": full_grads(model),
+            "kl": get_msa_metrics(reset=True), "forward_counts": forward_counts,
+            "counts": selection_counts(), "stored_after_forward": stored_after_forward,
+            "stored_after_backward": stored}
+
+
+def _cores(model):
+    from msa_megatron.megatron import MSACoreAttention
+
+    return [m for m in model.modules() if isinstance(m, MSACoreAttention)]
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_recompute_reuses_selection(tp):
+    base = Setup(formats=["sbhd", "thd"])
+    runs = {}
+    for recompute in (None, "selective", "full"):
+        setup = dataclasses.replace(base, recompute=recompute)
+        runs[recompute] = run_distributed(_two_micro_batches, tp, args=(setup, tp), tp=tp)
+    layers = base.layers
+    for recompute in ("selective", "full"):
+        for ref, rec in zip(runs[None], runs[recompute]):
+            torch.testing.assert_close(rec["loss"], ref["loss"], **tolerance(rtol=1e-6, atol=1e-6))
+            for key, value in ref["kl"].items():
+                tol = tolerance(rtol=1e-5, atol=1e-8)
+                assert rec["kl"][key] == pytest.approx(value, rel=tol["rtol"], abs=tol["atol"])
+            for name, grad in ref["grads"].items():
+                torch.testing.assert_close(rec["grads"][name], grad,
+                                           **tolerance(rtol=1e-5, atol=1e-7),
+                                           msg=f"{recompute}: grad of {name}")
+            # One selection per layer and micro-batch, made in the forward, none in backward.
+            assert rec["forward_counts"]["calls"] == layers * MICRO_BATCHES
+            assert rec["counts"] == rec["forward_counts"]
+            # The recomputation really happened: each first forward stored its selection.
+            assert rec["stored_after_forward"] == layers * MICRO_BATCHES
+            assert rec["stored_after_backward"] == 0
+    for ref in runs[None]:
+        assert ref["counts"]["calls"] == layers * MICRO_BATCHES
+        assert ref["stored_after_forward"] == 0

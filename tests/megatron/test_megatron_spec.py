@@ -1,0 +1,142 @@
+"""The MSA layer spec, the head split over TP, and the megatron-core version switches (in process,
+no process group)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from msa_megatron import MSAConfig
+from msa_megatron.megatron import (
+    MSACoreAttention,
+    MSALayerSpec,
+    MSASelfAttention,
+    get_gpt_layer_msa_spec,
+    get_kl_loss_scale,
+    gpt_layer_msa_spec,
+    schedule_loss_scale,
+    set_kl_loss_scale,
+)
+from msa_megatron.megatron import compat, spec as spec_module
+from msa_megatron.megatron.attention import build_head_layout
+from msa_megatron.megatron.checkpoint import msa_only_keys
+from msa_megatron.parallel.tensor import index_head_layout, token_slices
+
+
+def _config(**overrides) -> TransformerConfig:
+    fields = dict(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2,
+                  kv_channels=16, use_cpu_initialization=True)
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def test_spec_structure():
+    msa = MSAConfig(top_k=4, block_size=32)
+    spec = get_gpt_layer_msa_spec(msa, use_te=False, qk_layernorm=True)
+    assert isinstance(spec, ModuleSpec) and spec.module is TransformerLayer
+    attention = spec.submodules.self_attention
+    assert attention.module is MSASelfAttention
+    assert attention.params["msa_config"] is msa
+    assert attention.submodules.core_attention is MSACoreAttention
+    assert attention.submodules.linear_q_idx is attention.submodules.linear_qkv
+    plain = get_gpt_layer_msa_spec(msa, use_te=False)
+    assert plain.submodules.self_attention.submodules.q_layernorm is not \
+        attention.submodules.q_layernorm
+
+
+def test_te_requested_without_te():
+    if compat.HAVE_TE:
+        pytest.skip("Transformer Engine is installed")
+    with pytest.raises(ImportError, match="transformer_engine"):
+        get_gpt_layer_msa_spec(MSAConfig(), use_te=True)
+
+
+def test_spec_object_for_megatron_lm(monkeypatch):
+    """``--spec msa_megatron.megatron.spec gpt_layer_msa_spec``: a ModuleSpec (0.16 builders)
+    that builders calling it with the config (0.19) turn into a config-matched spec."""
+    assert isinstance(gpt_layer_msa_spec, ModuleSpec)
+    assert isinstance(gpt_layer_msa_spec, MSALayerSpec)
+    monkeypatch.setenv(spec_module.MSA_CONFIG_ENV, json.dumps({"top_k": 5, "mode": "dense"}))
+    built = gpt_layer_msa_spec(_config(qk_layernorm=True))
+    msa = built.submodules.self_attention.params["msa_config"]
+    assert (msa.top_k, msa.mode) == (5, "dense")
+    assert built.submodules.self_attention.submodules.q_layernorm is not None
+    assert gpt_layer_msa_spec() is gpt_layer_msa_spec
+
+
+@pytest.mark.parametrize("text, error", [("{bad", "not valid JSON"), ("[1]", "JSON object"),
+                                         ('{"topk": 3}', "unknown MSAConfig fields")])
+def test_msa_config_env_errors(monkeypatch, text, error):
+    monkeypatch.setenv(spec_module.MSA_CONFIG_ENV, text)
+    with pytest.raises(ValueError, match=error):
+        spec_module.msa_config_from_env()
+
+
+@pytest.mark.parametrize("heads, groups, index_heads, tp, expected", [
+    (8, 2, None, 1, (0, 2, 0, 1, 1)),
+    (8, 2, None, 2, (1, 1, 0, 1, 1)),
+    (8, 2, None, 4, (1, 1, 0, 1, 2)),      # TP > Hkv: 2 ranks share an index head
+    (64, 4, None, 8, (3, 1, 0, 1, 2)),     # the paper's model at TP 8, rank 7
+    (16, 2, 4, 4, (3, 1, 0, 1, 1)),        # Hi > Hkv, Hi == TP: nothing shared
+])
+def test_head_layout(heads, groups, index_heads, tp, expected):
+    config = SimpleNamespace(num_attention_heads=heads, num_query_groups=groups)
+    rank = tp - 1 if tp > 1 else 0
+    layout = build_head_layout(config, MSAConfig(index_heads=index_heads), tp, rank)
+    assert (layout.index_first, layout.index_count, layout.key_first, layout.key_count,
+            layout.share) == expected
+
+
+def test_head_layout_errors():
+    config = SimpleNamespace(num_attention_heads=12, num_query_groups=3)
+    with pytest.raises(ValueError, match="divide one another"):
+        build_head_layout(config, MSAConfig(), 2, 0)
+    with pytest.raises(ValueError, match="Hi % Hkv"):
+        build_head_layout(SimpleNamespace(num_attention_heads=8, num_query_groups=4),
+                          MSAConfig(index_heads=2), 1, 0)
+    with pytest.raises(ValueError, match="divide one another"):
+        index_head_layout(6, 4, 0)
+
+
+def test_token_slices():
+    assert token_slices(10, 4) == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert token_slices(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
+    assert token_slices(0, 2) == [(0, 0), (0, 0)]
+
+
+def test_loss_scale_hook_0_19_path():
+    """0.19's schedule calls config.experimental_attention_variant_loss_scale_func; 0.16's
+    config has no such field and the hook is not installed."""
+    config = SimpleNamespace(**{compat.LOSS_SCALE_HOOK_FIELD: None})
+    assert compat.install_kl_loss_scale_hook(config, set_kl_loss_scale)
+    getattr(config, compat.LOSS_SCALE_HOOK_FIELD)(torch.tensor(0.25))
+    assert get_kl_loss_scale() == 0.25
+    set_kl_loss_scale(1.0)
+    other = SimpleNamespace(**{compat.LOSS_SCALE_HOOK_FIELD: print})
+    with pytest.raises(ValueError, match="already set"):
+        compat.install_kl_loss_scale_hook(other, set_kl_loss_scale)
+    assert compat.install_kl_loss_scale_hook(SimpleNamespace(), set_kl_loss_scale) is False
+    assert compat.has_loss_scale_hook(_config()) == (compat.megatron_core_version() >= (0, 19))
+
+
+def test_msa_only_keys():
+    keys = ["decoder.layers.0.self_attention.linear_q_idx.weight",
+            "decoder.layers.0.self_attention.linear_qkv.weight",
+            "decoder.layers.0.self_attention.k_idx_norm.weight",
+            "decoder.layers.0.self_attention.q_layernorm.weight"]
+    assert msa_only_keys(keys) == [keys[0], keys[2]]
+
+
+def test_schedule_loss_scale_for_0_16():
+    config = _config()
+    assert float(schedule_loss_scale(config, num_microbatches=4, cp_size=2)) == 0.5
+    config.grad_scale_func = lambda x: x * 1024.0
+    assert float(schedule_loss_scale(config, num_microbatches=4)) == 256.0
+    config.calculate_per_token_loss = True
+    assert float(schedule_loss_scale(config, num_microbatches=4, cp_size=2)) == 1024.0

@@ -1,0 +1,88 @@
+"""The TP > Hkv exchange at the op level: ranks sharing an index head (each with some of its query
+heads) select once between them and compute the exact KL teacher, for token counts that do not
+split evenly (padded gathers, an empty slice) and packed sequences, in sparse and dense mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from msa_megatron.ops.layout import query_layout
+from msa_megatron.parallel.tensor import (
+    local_msa_attention,
+    share_group,
+    shared_index_msa_attention,
+)
+from tests.dist_utils import run_distributed, selected_device
+from tests.megatron.gpt_harness import tolerance
+
+pytestmark = pytest.mark.slow
+
+HEADS, DIM = 4, 16  # query heads of the one index head / KV group
+OPTIONS = dict(block_size=16, top_k=3, init_blocks=1, local_blocks=1, softmax_scale=None,
+               index_scale=None, backend="torch")
+
+
+def _inputs(total: int):
+    gen = torch.Generator().manual_seed(total)
+    heads = {"q": HEADS, "k": 1, "v": 1, "q_idx": 1, "k_idx": 1}
+    return {name: torch.randn(total, h, DIM, generator=gen, dtype=torch.float64)
+            for name, h in heads.items()}
+
+
+def _run(fn, tensors, lengths, mode, out_weights, **kwargs):
+    device = selected_device()
+    leaves = {n: t.detach().to(device).requires_grad_() for n, t in tensors.items()}
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+    q_pos, q_kbase = query_layout(cu, leaves["q"].shape[0], torch.device(device))
+    out, kl, block_idx, rows = fn(leaves["q"], leaves["k"], leaves["v"], leaves["q_idx"],
+                                  leaves["k_idx"], q_pos, q_kbase, mode=mode,
+                                  kl_scale=1.0 / max(leaves["q"].shape[0], 1), **OPTIONS,
+                                  **kwargs)
+    ((out * out_weights.to(device)).sum() + kl).backward()
+    return {"out": out.detach().cpu(), "kl": kl.detach().cpu(), "rows": rows,
+            "block_idx": None if block_idx is None else block_idx.cpu(),
+            **{f"grad_{n}": t.grad.cpu() for n, t in leaves.items()}}
+
+
+def _worker(rank: int, world_size: int, lengths: list, mode: str) -> dict:
+    import torch.distributed as dist
+
+    tensors = _inputs(sum(lengths))
+    weights = torch.linspace(-1, 1, tensors["q"].numel(), dtype=torch.float64)
+    weights = weights.view_as(tensors["q"])
+    reference = _run(local_msa_attention, tensors, lengths, mode, weights)
+    heads = HEADS // world_size
+    own = slice(rank * heads, (rank + 1) * heads)
+    mine = dict(tensors, q=tensors["q"][:, own])
+    group = share_group(dist.group.WORLD, world_size)
+    result = _run(shared_index_msa_attention, mine, lengths, mode, weights[:, own],
+                  share_group=group)
+    for name in ("kl", "grad_q_idx", "grad_k_idx"):  # partial on each rank: summed by the layer
+        dist.all_reduce(result[name])
+    return {"reference": reference, "result": result, "heads": heads}
+
+
+@pytest.mark.parametrize("lengths, mode", [
+    ([21, 0, 40, 6], "sparse"),  # uneven slices, packed docs, an empty doc
+    ([3], "sparse"),             # shorter than a block
+    ([1], "sparse"),             # one rank's token slice is empty
+    ([50, 17], "dense"),
+])
+def test_shared_index_head_matches_one_rank(lengths, mode):
+    world = 2
+    results = run_distributed(_worker, world, args=(lengths, mode))
+    total_rows = sum(r["result"]["rows"] for r in results)
+    assert total_rows == results[0]["reference"]["rows"]  # selection split, never repeated
+    for rank, res in enumerate(results):
+        ref, got, heads = res["reference"], res["result"], res["heads"]
+        if mode == "sparse":
+            assert torch.equal(got["block_idx"], ref["block_idx"])
+        else:
+            assert got["block_idx"] is None and got["rows"] == 0
+        own = slice(rank * heads, (rank + 1) * heads)
+        torch.testing.assert_close(got["out"], ref["out"][:, own], **tolerance(1e-10, 1e-12))
+        torch.testing.assert_close(got["grad_q"], ref["grad_q"][:, own], **tolerance(1e-9, 1e-11))
+        torch.testing.assert_close(got["kl"], ref["kl"], **tolerance(1e-6, 1e-9))  # fp32 KL
+        for name in ("grad_q_idx", "grad_k_idx"):
+            torch.testing.assert_close(got[name], ref[name], **tolerance(1e-9, 1e-11), msg=name)

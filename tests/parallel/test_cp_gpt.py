@@ -1,0 +1,195 @@
+"""A megatron-core GPTModel with MSA layers trains under context parallelism exactly like CP=1.
+
+CP=2, CP=4 and TP=2 x CP=2 on gloo, several SGD steps alternating SBHD / THD batches and the two
+K/V exchange modes: LM losses, KL metrics and every parameter gradient equal the single-rank run
+(MSA_SPEC section 6). Batches are split with megatron-core's load-balanced layout; gradients
+are summed over the CP group, as megatron's DP x CP gradient all-reduce does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from msa_megatron.parallel.context import cp_bytes_moved
+from msa_megatron.parallel.cp_layout import split_for_cp_rank
+from tests.dist_utils import run_distributed, selected_device
+from tests.megatron.gpt_harness import BATCH, LR, SEQ, VOCAB, Setup, full_grads, sum_qk_norm_grads
+from tests.parallel.cp_test_utils import skip_without_gpus
+
+pytestmark = pytest.mark.slow
+
+# THD documents: lengths multiples of 2*CP = 8 (megatron pads THD sequences for CP), one of
+# length 0, one shorter than a block, documents crossing chunk boundaries; sums to BATCH * SEQ.
+THD_LENGTHS = [40, 8, 72, 0, 72]
+# (format, exchange) of each SGD step: both formats in both modes.
+STEPS = [("sbhd", "allgather"), ("thd", "selective"), ("sbhd", "selective"), ("thd", "allgather")]
+LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
+KL_TOL = dict(rtol=1e-4, atol=1e-7)
+GRAD_TOL = dict(rtol=1e-4, atol=2e-6)
+
+
+def _build(setup: Setup, tp: int, cp: int):
+    """GPTModel with the MSA spec and CP-aware config; identical initial weights for any TP/CP."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+
+    from msa_megatron import MSAConfig
+    from msa_megatron.megatron import get_gpt_layer_msa_spec
+
+    recompute = {}
+    if setup.recompute == "selective":
+        recompute = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    config = TransformerConfig(
+        num_layers=setup.layers, hidden_size=setup.hidden, num_attention_heads=setup.heads,
+        num_query_groups=setup.groups, kv_channels=setup.kv_channels,
+        ffn_hidden_size=2 * setup.hidden, tensor_model_parallel_size=tp,
+        context_parallel_size=cp, use_cpu_initialization=True, params_dtype=torch.float32,
+        attention_dropout=0.0, hidden_dropout=0.0, normalization="RMSNorm",
+        qk_layernorm=setup.qk_layernorm, **recompute,
+    )
+    model_parallel_cuda_manual_seed(setup.seed)
+    torch.manual_seed(setup.seed)
+    msa = MSAConfig(block_size=setup.block_size, top_k=setup.top_k,
+                    index_head_dim=setup.index_head_dim, index_heads=setup.index_heads,
+                    backend=setup.backend, kl_coeff=setup.kl_coeff, mode=setup.mode)
+    spec = get_gpt_layer_msa_spec(msa, qk_layernorm=setup.qk_layernorm, normalization="RMSNorm")
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
+                     max_sequence_length=SEQ * BATCH, position_embedding_type="rope")
+    return model.to(selected_device()), msa
+
+
+def _cp_batch(step: int, fmt: str, cp_group):
+    """This CP rank's share of the step's global batch (tokens = labels, positions, packing)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    device = selected_device()
+    gen = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    cp_size, cp_rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
+    if fmt == "sbhd":
+        positions = torch.arange(SEQ).expand(BATCH, SEQ).contiguous()
+        local = get_batch_on_this_cp_rank({"tokens": tokens, "position_ids": positions},
+                                          cp_group=cp_group)
+        return local["tokens"].to(device), local["position_ids"].to(device), None
+    cu = torch.tensor([0] + THD_LENGTHS, dtype=torch.int32).cumsum(0).to(torch.int32)
+    positions = torch.cat([torch.arange(n) for n in THD_LENGTHS])
+    tokens, positions = (split_for_cp_rank(t.reshape(-1), cu, cp_size, cp_rank).reshape(1, -1)
+                         for t in (tokens, positions))
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu.to(device),
+                             cu_seqlens_kv=cu.to(device), cu_seqlens_q_padded=cu.to(device),
+                             cu_seqlens_kv_padded=cu.to(device), max_seqlen_q=max(THD_LENGTHS),
+                             max_seqlen_kv=max(THD_LENGTHS))
+    return tokens.to(device), positions.to(device), packed
+
+
+def _pos_emb_on_this_cp_rank_cpu(pos_emb, seq_dim, cp_group):
+    """megatron-core's ``get_pos_emb_on_this_cp_rank`` without its pinned-memory CUDA copy."""
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    index = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+    shape = pos_emb.shape
+    pos_emb = pos_emb.view(*shape[:seq_dim], 2 * cp_size, -1, *shape[seq_dim + 1:])
+    pos_emb = pos_emb.index_select(seq_dim, index)
+    return pos_emb.view(*shape[:seq_dim], -1, *shape[seq_dim + 1:])
+
+
+def _install_cp_rope_shim() -> None:
+    """Test-only: megatron-core's SBHD RoPE under CP copies an index through pinned memory to
+    CUDA; on CPU use the same slicing on the host."""
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+
+    if selected_device() == "cpu":
+        rope_utils.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank_cpu
+        rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank_cpu
+
+
+def _cp_worker(rank: int, world_size: int, tp: int, cp: int, recompute=None) -> dict:
+    from megatron.core import parallel_state
+
+    from msa_megatron.megatron import (
+        MSACoreAttention,
+        get_msa_metrics,
+        reset_selection_counts,
+        selection_counts,
+    )
+
+    _install_cp_rope_shim()
+    setup = Setup(recompute=recompute)
+    model, msa = _build(setup, tp, cp)
+    cp_group = parallel_state.get_context_parallel_group()
+    get_msa_metrics(reset=True)
+    record = {"loss": [], "kl": [], "grads": [], "bytes": [], "selection_calls": [],
+              "core_calls": []}
+    core_calls = [0]
+    for module in model.modules():
+        if isinstance(module, MSACoreAttention):
+            module.register_forward_hook(lambda *_: core_calls.__setitem__(0, core_calls[0] + 1))
+    n_global = BATCH * SEQ
+    for step, (fmt, exchange) in enumerate(STEPS):
+        msa.cp_kv_exchange = exchange  # read by every MSA layer at its next forward
+        tokens, positions, packed = _cp_batch(step, fmt, cp_group)
+        model.zero_grad(set_to_none=True)
+        reset_selection_counts()
+        core_calls[0] = 0
+        losses = model(tokens, positions, None, labels=tokens, packed_seq_params=packed)
+        (losses.sum() / n_global).backward()
+        sum_qk_norm_grads(model)
+        for param in model.parameters():
+            if param.grad is not None:
+                dist.all_reduce(param.grad, group=cp_group)
+        loss = losses.detach().sum()
+        dist.all_reduce(loss, group=cp_group)
+        record["loss"].append(loss / n_global)
+        record["kl"].append(get_msa_metrics(reset=True))
+        record["grads"].append(full_grads(model))
+        record["selection_calls"].append(selection_counts()["calls"])
+        record["core_calls"].append(core_calls[0])
+        record["bytes"].append([cp_bytes_moved(m.cp_stats) for m in model.modules()
+                                if isinstance(m, MSACoreAttention)])
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.grad is not None:
+                    param.add_(param.grad, alpha=-LR)
+    return record
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_distributed(_cp_worker, 1, args=(1, 1), tp=1, cp=1)[0]
+
+
+@pytest.mark.parametrize("tp,cp,recompute", [(1, 2, None), (1, 4, None), (2, 2, None),
+                                             (1, 2, "selective")],
+                         ids=["cp2", "cp4", "tp2xcp2", "cp2-recompute-core-attn"])
+def test_gpt_context_parallel_matches_single_rank(reference, tp, cp, recompute):
+    """Under selective core_attn recomputation the kept selection is reused: one selection per
+    layer and step, never a second one in the recomputation."""
+    skip_without_gpus(tp * cp)
+    records = run_distributed(_cp_worker, tp * cp, args=(tp, cp, recompute), tp=tp, cp=cp)
+    for rank, record in enumerate(records):
+        for step, (fmt, exchange) in enumerate(STEPS):
+            where = f"rank {rank} step {step} ({fmt}, {exchange})"
+            torch.testing.assert_close(record["loss"][step], reference["loss"][step], **LOSS_TOL,
+                                       msg=f"loss {where}")
+            kl, kl_ref = record["kl"][step], reference["kl"][step]
+            assert kl.keys() == kl_ref.keys() and kl_ref["msa/kl"] > 0
+            for key in kl_ref:
+                torch.testing.assert_close(torch.tensor(kl[key]), torch.tensor(kl_ref[key]),
+                                           **KL_TOL, msg=f"{key} {where}")
+            grads, grads_ref = record["grads"][step], reference["grads"][step]
+            assert grads.keys() == grads_ref.keys()
+            for name, grad_ref in grads_ref.items():
+                torch.testing.assert_close(grads[name], grad_ref, **GRAD_TOL,
+                                           msg=f"grad of {name} {where}")
+                if "_idx" in name:
+                    assert grad_ref.abs().max() > 0, f"{name} got no KL gradient"
+        assert record["selection_calls"] == [Setup().layers] * len(STEPS)
+        runs_per_step = 2 if recompute else 1  # the core attention ran again in backward
+        assert record["core_calls"] == [runs_per_step * Setup().layers] * len(STEPS)
+    for step, (fmt, exchange) in enumerate(STEPS):
+        print(f"TP={tp} CP={cp} step {step} {fmt} {exchange}: bytes received per layer, rank 0: "
+              f"{records[0]['bytes'][step]}")
+        assert all(b > 0 for b in records[0]["bytes"][step])

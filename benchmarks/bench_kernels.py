@@ -3,11 +3,12 @@
 Usage (writes JSON to the path given; prints a short table last)::
 
     python benchmarks/bench_kernels.py benchmarks/results/kernels_h200.json [--budget 380]
-        [--configs paper-8k,peer-16k,...] [--skip-checks] [--no-flex] [--commit SHA]
+        [--configs paper-8k,peer-16k,...] [--flex-configs paper-8k,...] [--skip-checks]
+        [--commit SHA]
 
 CPU dry run of the script itself (Triton interpreter, tiny shapes, no baselines)::
 
-    TRITON_INTERPRET=1 python benchmarks/bench_kernels.py /tmp/k.json --dry-run
+    TRITON_INTERPRET=1 python benchmarks/bench_kernels.py /tmp/k.json --dry-run --flex-configs ""
 
 1. Checks on the GPU: triton vs the oracle (fp32 reference on the same inputs) at T = 4096 for
    the paper, peer and tp-shard heads in bf16 and the paper heads in fp16 (packed documents, one
@@ -19,8 +20,9 @@ CPU dry run of the script itself (Triton interpreter, tiny shapes, no baselines)
    token, linearly interpolated): select, main sparse forward and forward+backward, the whole
    op forward+backward (select + attention + KL value + five gradients), dense warmup mode
    whole op, dense cuDNN and FLASH SDPA (causal, GQA), FlexAttention on the same per-token
-   selection (union BlockMask per 128-query tile + membership mask_mod), torch select
-   (chunked, the torch backend) and peak memory. Each row is timed separately (median of
+   selection (union BlockMask per 128-query tile + membership mask_mod; timed last, for the
+   ``--flex-configs``), torch select (chunked PyTorch: index-score matmul, block max, topk;
+   what a user writes) and peak memory. Each row is timed separately (median of
    CUDA-event timings after a warm-up, L2 flushed before each); a failing row is recorded and
    the run goes on; rows that would not fit in ``--budget`` seconds are skipped.
 """
@@ -251,21 +253,25 @@ def check_vs_reference(run: Run, heads_name: str, heads: dict, dims: dict, dtype
                                          x["q_kbase"], **opts)
     entry["select"] = selection_mismatch(got_sel, want_sel, x, dims)
     for mode in ("sparse", "dense"):
-        out, kl, grads = whole_op(x, dims, mode)
-        leaves = [x[n].detach().float().requires_grad_() for n in NAMES]
-        r_out, r_kl = ref.msa_attention_reference(*leaves, x["cu"], mode=mode, block_idx=(
-            got_sel if mode == "sparse" else None), **opts)
-        r_grads = torch.autograd.grad((r_out, r_kl), leaves, (x["dout"].float(),
-                                                               torch.ones_like(r_kl)))
-        errs = dict(out=rel(out, r_out), kl=abs(kl.item() - r_kl.item()) / abs(r_kl.item()))
-        errs.update({f"d{n}": rel(g, rg) for n, g, rg in zip(NAMES, grads, r_grads)})
-        _, _, again = whole_op(x, dims, mode)
-        errs["bitwise_repeat"] = all(torch.equal(a, b) for a, b in zip(grads, again))
+        try:
+            out, kl, grads = whole_op(x, dims, mode)
+            leaves = [x[n].detach().float().requires_grad_() for n in NAMES]
+            r_out, r_kl = ref.msa_attention_reference(*leaves, x["cu"], mode=mode, block_idx=(
+                got_sel if mode == "sparse" else None), **opts)
+            r_grads = torch.autograd.grad((r_out, r_kl), leaves, (x["dout"].float(),
+                                                                   torch.ones_like(r_kl)))
+            errs = dict(out=rel(out, r_out), kl=abs(kl.item() - r_kl.item()) / abs(r_kl.item()))
+            errs.update({f"d{n}": rel(g, rg) for n, g, rg in zip(NAMES, grads, r_grads)})
+            _, _, again = whole_op(x, dims, mode)
+            errs["bitwise_repeat"] = all(torch.equal(a, b) for a, b in zip(grads, again))
+            del r_out, r_grads
+        except Exception as e:
+            errs = dict(error=f"{type(e).__name__}: {e}"[:300])
+            traceback.print_exc()
         entry[mode] = errs
-        del r_out, r_grads
     tol = TOL.get(dtype, 1e-4)
     entry["ok"] = (entry["select"]["rows_not_near_tie"] == 0 and all(
-        v < tol if isinstance(v, float) else v for m in ("sparse", "dense")
+        (v < tol if isinstance(v, float) else v is True) for m in ("sparse", "dense")
         for v in entry[m].values()))
     run.record("checks", entry)
 
@@ -287,17 +293,59 @@ def check_vs_torch_backend(run: Run, device, dims: dict, heads: dict, t: int):
 
 
 # ------------------------------------------------------------------ baselines
+def torch_select_chunked(x: dict, dims: dict, chunk: int = 1024) -> torch.Tensor:
+    """What a user writes without this project: per sequence and chunk of queries, index scores
+    by one matmul, causal mask, block max, forced own block, topk, sort."""
+    q_idx, k_idx = x["q_idx"], x["k_idx"]
+    t, hi, di = q_idx.shape
+    block, top_k = dims["block"], dims["top_k"]
+    out = torch.full((t, hi, top_k), -1, dtype=torch.int32, device=q_idx.device)
+    start = 0
+    for length in x["lens"]:
+        nblk = -(-length // block)
+        keys = k_idx[start:start + length].transpose(0, 1)  # [Hik, L, Di]
+        for a in range(0, length, chunk):
+            b = min(a + chunk, length)
+            qc = q_idx[start + a:start + b].transpose(0, 1)  # [Hi, n, Di]
+            s = torch.matmul(qc.reshape(keys.shape[0], -1, di), keys[:, :b].transpose(1, 2))
+            s = s.view(hi, b - a, b).float() * di ** -0.5
+            pos = torch.arange(a, b, device=s.device)
+            s = s.masked_fill(torch.arange(b, device=s.device)[None, :] > pos[:, None], float("-inf"))
+            s = torch.nn.functional.pad(s, (0, -(-b // block) * block - b), value=float("-inf"))
+            s = s.view(hi, b - a, -1, block).amax(-1)
+            own = (pos // block)[None, :, None]
+            s = s.masked_fill(torch.arange(s.shape[2], device=s.device)[None, None, :] == own,
+                              float("inf"))
+            kk = min(top_k, s.shape[2])
+            val, idx = s.topk(kk, dim=2)
+            idx = torch.where(val > float("-inf"), idx, nblk).sort(dim=2).values
+            idx = torch.where(idx == nblk, -1, idx)
+            out[start + a:start + b, :, :kk] = idx.transpose(0, 1).to(torch.int32)
+        start += length
+    return out
+
+
 def sdpa_fn(x: dict, backend_name: str, grads: bool):
+    """Dense causal SDPA on one backend; GQA through ``enable_gqa``, else K/V expanded."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
 
     backend = getattr(SDPBackend, backend_name)
-    q, k, v = (x[n].detach().transpose(0, 1).unsqueeze(0).requires_grad_(grads)
-               for n in ("q", "k", "v"))
+    q, k, v = (x[n].detach().transpose(0, 1).unsqueeze(0) for n in ("q", "k", "v"))
+    group = q.shape[1] // k.shape[1]
+    try:
+        with sdpa_kernel([backend]), torch.no_grad():
+            F.scaled_dot_product_attention(q[:, :, :256], k[:, :, :256], v[:, :, :256],
+                                           is_causal=True, enable_gqa=True)
+        gqa = True
+    except RuntimeError:
+        gqa = False
+        k, v = (y.repeat_interleave(group, dim=1) for y in (k, v))
+    q, k, v = (y.requires_grad_(grads) for y in (q, k, v))
 
     def fn():
         with sdpa_kernel([backend]):
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         if grads:
             torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
         return out
@@ -352,20 +400,51 @@ def flex_fn(x: dict, heads: dict, dims: dict, block_idx: torch.Tensor, grads: bo
 
 
 # ------------------------------------------------------------------ timing rows
-def time_config(run: Run, name: str, heads_name: str, t: int, packed: bool, dims: dict,
-                device, flex: bool):
+def config_inputs(heads_name: str, t: int, packed: bool, dims: dict, dist: str, device):
+    """Inputs and triton selection of one configuration (same seeds every time)."""
     heads = HEADS[heads_name] if device.type == "cuda" else DRY_HEADS
-    gen = torch.Generator().manual_seed(2)
-    lens = doc_lengths(t, gen) if packed else [t]
-    base = dict(config=name, heads=heads_name, tokens=t, docs=len(lens))
+    lens = doc_lengths(t, torch.Generator().manual_seed(2)) if packed else [t]
+    torch.manual_seed(3 + DISTS.index(dist))
+    x = make_inputs(heads, dims, t, lens, dist, device, torch.bfloat16)
+    block_idx = tri.select(x["q_idx"], x["k_idx"], x["q_pos"], x["q_kbase"],
+                           block_size=dims["block"], top_k=dims["top_k"])
+    return heads, lens, x, block_idx
+
+
+def time_flex(run: Run, name: str, heads_name: str, t: int, packed: bool, dims: dict, device):
+    """FlexAttention rows, added to the rows of ``name`` (run last: it compiles per mask)."""
+    for dist in DISTS:
+        row = next((r for r in run.data["rows"] if r.get("config") == name
+                    and r.get("dist") == dist), None)
+        if row is None or run.left() < 60 + 30 * t / 32768:
+            continue
+        heads, _, x, block_idx = config_inputs(heads_name, t, packed, dims, dist, device)
+        for key, grads in (("flex_fwd_bwd", True), ("flex_fwd", False)):
+            try:
+                ctx = torch.enable_grad() if grads else torch.no_grad()
+                with ctx:
+                    row["ms"][key] = time_ms(flex_fn(x, heads, dims, block_idx, grads))
+            except Exception as e:
+                row["errors"][key] = f"{type(e).__name__}: {e}"[:400]
+                traceback.print_exc()
+        run.save()
+        print(json.dumps(dict(config=name, dist=dist, flex={k: v for k, v in row["ms"].items()
+                                                              if k.startswith("flex")})))
+        del x, block_idx
+
+
+def time_config(run: Run, name: str, heads_name: str, t: int, packed: bool, dims: dict,
+                device):
     dense_done = False
     for dist in DISTS:
-        torch.manual_seed(3)
-        x = make_inputs(heads, dims, t, lens, dist, device, torch.bfloat16)
+        heads, lens, x, block_idx = config_inputs(heads_name, t, packed, dims, dist, device)
+        base = dict(config=name, heads=heads_name, tokens=t, docs=len(lens))
         opts = dict(block_size=dims["block"], top_k=dims["top_k"])
-        block_idx = tri.select(x["q_idx"], x["k_idx"], x["q_pos"], x["q_kbase"], **opts)
+        sel_ref = torch_select_chunked(x, dims)
         fl = flops(heads, dims, x["q_pos"], block_idx)
-        row = dict(base, dist=dist, flops=fl, ms={}, peak_mib={}, errors={})
+        row = dict(base, dist=dist, flops=fl, ms={}, peak_mib={}, errors={},
+                   select_vs_torch_rows_differing=int((sel_ref != block_idx).any(2).sum()))
+        del sel_ref
 
         def attempt(key, fn, est_s, peak=False, **kw):
             if run.left() < est_s:
@@ -382,9 +461,8 @@ def time_config(run: Run, name: str, heads_name: str, t: int, packed: bool, dims
 
         scale = t / 32768
         attempt("select", lambda: tri.select(x["q_idx"], x["k_idx"], x["q_pos"], x["q_kbase"],
-                                             **opts), 2 + 20 * scale ** 2)
-        attempt("torch_select", lambda: torch_backend.select(
-            x["q_idx"], x["k_idx"], x["q_pos"], x["q_kbase"], **opts), 5 + 30 * scale ** 2)
+                                             **opts), 1 + scale ** 2)
+        attempt("torch_select", lambda: torch_select_chunked(x, dims), 1 + 4 * scale ** 2)
         q, k, v = (x[n].detach().requires_grad_() for n in ("q", "k", "v"))
 
         def main(grads):
@@ -396,24 +474,17 @@ def time_config(run: Run, name: str, heads_name: str, t: int, packed: bool, dims
             return fn
 
         with torch.no_grad():
-            attempt("main_fwd", main(False), 2 + 10 * scale)
-        attempt("main_fwd_bwd", main(True), 2 + 30 * scale)
-        attempt("whole_fwd_bwd", lambda: whole_op(x, dims, "sparse"), 3 + 40 * scale, peak=True)
-        if flex and (dist == "coherent" or t <= 32768):
-            try:
-                attempt("flex_fwd", flex_fn(x, heads, dims, block_idx, False), 60 + 60 * scale)
-                attempt("flex_fwd_bwd", flex_fn(x, heads, dims, block_idx, True),
-                        60 + 120 * scale)
-            except Exception as e:
-                row["errors"]["flex"] = f"{type(e).__name__}: {e}"[:400]
+            attempt("main_fwd", main(False), 1 + scale)
+        attempt("main_fwd_bwd", main(True), 1 + 3 * scale)
+        attempt("whole_fwd_bwd", lambda: whole_op(x, dims, "sparse"), 2 + 6 * scale, peak=True)
         if not dense_done:
-            attempt("dense_mode_fwd_bwd", lambda: whole_op(x, dims, "dense"), 5 + 200 * scale ** 2)
             if not packed and device.type == "cuda":
                 for be in ("CUDNN_ATTENTION", "FLASH_ATTENTION"):
                     tag = be.split("_")[0].lower()
-                    attempt(f"{tag}_fwd", sdpa_fn(x, be, False), 3 + 30 * scale ** 2)
-                    attempt(f"{tag}_fwd_bwd", sdpa_fn(x, be, True), 5 + 100 * scale ** 2,
+                    attempt(f"{tag}_fwd", sdpa_fn(x, be, False), 1 + 3 * scale ** 2)
+                    attempt(f"{tag}_fwd_bwd", sdpa_fn(x, be, True), 2 + 8 * scale ** 2,
                             peak=(tag == "cudnn"))
+            attempt("dense_mode_fwd_bwd", lambda: whole_op(x, dims, "dense"), 3 + 20 * scale ** 2)
             dense_done = True
         run.record("rows", row)
         del x, q, k, v, block_idx
@@ -432,6 +503,50 @@ def ceilings(run: Run):
     del a, b, src, dst
 
 
+def sweep(run: Run, dims: dict, device):
+    """Tile-size variants of the gather kernels and of selection, paper 32K iid."""
+    from msa_megatron.ops.triton import backward, forward, kl_loss, selection
+
+    heads, _, x, block_idx = config_inputs("paper", 32768, False, dims, "iid", device)
+    opts = dict(block_size=dims["block"], top_k=dims["top_k"])
+    q, k, v = (x[n].detach().requires_grad_() for n in ("q", "k", "v"))
+    saved = {m: m.GATHER_ROWS for m in (forward, backward, kl_loss)}
+    saved_select = selection.SELECT_ROWS
+    for rows in (64, 128):
+        for m in saved:
+            m.GATHER_ROWS = rows
+        selection.SELECT_ROWS = rows
+        entry = dict(sweep="gather_rows", rows=rows, ms={}, errors={})
+
+        def main(grads):
+            def fn():
+                out, _ = tri.attention(q, k, v, block_idx, x["q_pos"], x["q_kbase"],
+                                       block_size=dims["block"])
+                if grads:
+                    torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+            return fn
+
+        fns = dict(select=lambda: tri.select(x["q_idx"], x["k_idx"], x["q_pos"], x["q_kbase"],
+                                             **opts),
+                   main_fwd_bwd=main(True), whole_fwd_bwd=lambda: whole_op(x, dims, "sparse"))
+        for key, fn in fns.items():
+            if run.left() < 15:
+                break
+            try:
+                entry["ms"][key] = time_ms(fn)
+            except Exception as e:
+                entry["errors"][key] = f"{type(e).__name__}: {e}"[:300]
+        try:
+            with torch.no_grad():
+                entry["ms"]["main_fwd"] = time_ms(main(False))
+        except Exception as e:
+            entry["errors"]["main_fwd"] = f"{type(e).__name__}: {e}"[:300]
+        run.record("rows", entry)
+    for m, value in saved.items():
+        m.GATHER_ROWS = value
+    selection.SELECT_ROWS = saved_select
+
+
 # ------------------------------------------------------------------ table
 def table(data: dict) -> str:
     rate = data["ceilings"].get("matmul_bf16_tflops", float("nan"))
@@ -445,6 +560,10 @@ def table(data: dict) -> str:
     dense = {}
     nan = float("nan")
     for r in data["rows"]:
+        if "sweep" in r:
+            lines.append(f"sweep rows={r['rows']}: " + ", ".join(
+                f"{k} {v['median']:.2f}" for k, v in r["ms"].items()))
+            continue
         if "ms" not in r:
             lines.append(f"{r.get('config')} | ERROR {r.get('error', '')[:80]}")
             continue
@@ -474,9 +593,13 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=380.0, help="seconds for the whole run")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma list of configs")
     parser.add_argument("--skip-checks", action="store_true")
-    parser.add_argument("--no-flex", action="store_true")
+    parser.add_argument("--flex-configs", default="paper-8k,paper-32k",
+                        help="configs that also time FlexAttention (last; '' for none)")
     parser.add_argument("--commit", default=None)
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes (CPU interpreter)")
+    parser.add_argument("--sweep", action="store_true", help="also time tile-size variants")
+    parser.add_argument("--profile-only", default=None,
+                        help="run the whole op once for this config and exit (for ncu)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     import triton
@@ -487,6 +610,12 @@ def main() -> int:
                 argv=sys.argv[1:], started=time.strftime("%Y-%m-%d %H:%M:%S"))
     run = Run(args.out, args.budget, meta)
     dims = DRY_DIMS if args.dry_run else DIMS
+    if args.profile_only:
+        heads_name, t, packed = CONFIGS[args.profile_only]
+        _, _, x, _ = config_inputs(heads_name, t, packed, dims, "iid", device)
+        whole_op(x, dims, "sparse")
+        torch.cuda.synchronize()
+        return 0
     if device.type == "cuda":
         ceilings(run)
     if not args.skip_checks:
@@ -515,10 +644,21 @@ def main() -> int:
             print(f"budget: skipping {name}", flush=True)
             continue
         try:
-            time_config(run, name, heads_name, t, packed, dims, device, not args.no_flex)
+            time_config(run, name, heads_name, t, packed, dims, device)
         except Exception as e:
             run.record("rows", dict(config=name, error=f"{type(e).__name__}: {e}"[:400]))
             traceback.print_exc()
+    if args.sweep and device.type == "cuda":
+        try:
+            sweep(run, dims, device)
+        except Exception as e:
+            print(f"sweep: {type(e).__name__}: {e}", flush=True)
+    for name in filter(None, args.flex_configs.split(",")):
+        heads_name, t, packed = CONFIGS[name]
+        try:
+            time_flex(run, name, heads_name, 48 if args.dry_run else t, packed, dims, device)
+        except Exception as e:
+            print(f"flex {name}: {type(e).__name__}: {e}", flush=True)
     run.data["meta"]["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     run.save()
     print(table(run.data), flush=True)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up a virtual environment from a fresh clone and run examples/pretrain_tiny.py with torchrun.
 #
-#   bash examples/run_tiny.sh                      # TP=2 x CP=2 on 4 CPU processes, ~10 min
+#   bash examples/run_tiny.sh                      # TP=2 x CP=2 on 4 CPU processes, < 20 min
 #   TP=2 CP=1 bash examples/run_tiny.sh --steps 60  # other layouts; extra flags go to the script
 #   DEVICE=cuda NPROC=8 TP=2 CP=2 bash examples/run_tiny.sh   # GPUs: data parallel = NPROC/(TP*CP)
 #

@@ -31,7 +31,10 @@ class MSAConfig:
         kl_coeff: weight of the summed per-layer KL losses in the training loss.
         mode: ``"sparse"`` or ``"dense"`` (warmup, MSA_SPEC section 5).
         backend: ``"reference"``, ``"torch"``, ``"triton"`` or ``None`` (automatic).
-        cp_kv_exchange: context-parallel K/V exchange, ``"allgather"`` or ``"selective"``.
+        cp_kv_exchange: context-parallel K/V exchange, ``"allgather"``, ``"selective"`` or
+            ``None``: from megatron-core's ``cp_comm_type`` of the layer (``"all_gather"`` ->
+            allgather, ``"p2p"`` -> selective), else allgather
+            (:func:`msa_megatron.parallel.context.resolve_cp_kv_exchange`).
 
     Raises:
         ValueError / TypeError on construction for any inconsistent value (MSA_SPEC section 7).
@@ -49,7 +52,7 @@ class MSAConfig:
     kl_coeff: float = 1.0
     mode: str = "sparse"
     backend: Optional[str] = None
-    cp_kv_exchange: str = "allgather"
+    cp_kv_exchange: Optional[str] = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "top_k", "init_blocks", "local_blocks",
@@ -61,7 +64,8 @@ class MSAConfig:
             isinstance(self.index_heads, bool) or not isinstance(self.index_heads, int)
         ):
             raise TypeError(
-                f"MSAConfig.index_heads must be an int or None, got {type(self.index_heads).__name__}"
+                "MSAConfig.index_heads must be an int or None, got "
+                f"{type(self.index_heads).__name__}"
             )
         check_block_size(self.block_size)
         check_selection_budget(self.top_k, self.init_blocks, self.local_blocks)
@@ -80,14 +84,16 @@ class MSAConfig:
         for name in ("softmax_scale", "index_scale"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, (int, float)) and value > 0):
-                raise ValueError(f"MSAConfig.{name} must be a positive number or None, got {value!r}")
+                raise ValueError(
+                    f"MSAConfig.{name} must be a positive number or None, got {value!r}")
         if not isinstance(self.kl_coeff, (int, float)) or self.kl_coeff < 0:
             raise ValueError(f"MSAConfig.kl_coeff must be a number >= 0, got {self.kl_coeff!r}")
         check_mode(self.mode)
         check_backend(self.backend)
-        if self.cp_kv_exchange not in CP_KV_EXCHANGES:
+        if self.cp_kv_exchange is not None and self.cp_kv_exchange not in CP_KV_EXCHANGES:
             raise ValueError(
-                f"MSAConfig.cp_kv_exchange must be one of {CP_KV_EXCHANGES}, got {self.cp_kv_exchange!r}"
+                f"MSAConfig.cp_kv_exchange must be None or one of {CP_KV_EXCHANGES}, got "
+                f"{self.cp_kv_exchange!r}"
             )
 
     def resolved_index_heads(self, num_query_groups: int) -> int:
@@ -105,7 +111,8 @@ def check_block_size(block_size: int) -> None:
 
 def check_selection_budget(top_k: int, init_blocks: int, local_blocks: int) -> None:
     """Raise ValueError unless ``top_k >= init_blocks + local_blocks`` and local_blocks >= 1."""
-    for name, value in (("top_k", top_k), ("init_blocks", init_blocks), ("local_blocks", local_blocks)):
+    for name, value in (("top_k", top_k), ("init_blocks", init_blocks),
+                        ("local_blocks", local_blocks)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if init_blocks < 0:

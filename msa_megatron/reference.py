@@ -156,7 +156,20 @@ def attention_core_reference(
     logits = (scale * torch.matmul(qh, kh.transpose(1, 2))).masked_fill(~supp, float("-inf"))
     lse = torch.logsumexp(logits, dim=2)  # [Hq, Tq]
     p = torch.exp(logits - lse.unsqueeze(2))
-    out = torch.matmul(p, vh).transpose(0, 1).to(q.dtype)
+    out = torch.matmul(p, vh)
+    bad = ~torch.isfinite(vh)
+    if bool(bad.any()):
+        # A GEMM would multiply non-finite values by the zero probabilities outside the support
+        # and leak NaN into rows that never read them (MSA_SPEC section 7): add the non-finite
+        # entries of V only where they are in the support.
+        out = torch.matmul(p, vh.masked_fill(bad, 0.0))
+        cols = bad.any(dim=2).any(dim=0).nonzero().flatten()
+        v_bad = vh[:, cols].masked_fill(~bad[:, cols], 0.0)  # [Hq, C, D]
+        p_bad = p[:, :, cols].unsqueeze(3)  # [Hq, Tq, C, 1]
+        term = torch.where(supp[:, :, cols].unsqueeze(3), p_bad * v_bad.unsqueeze(1),
+                           torch.zeros((), dtype=p.dtype))
+        out = out + term.sum(dim=2)
+    out = out.transpose(0, 1).to(q.dtype)
     return out, lse.transpose(0, 1).contiguous()
 
 
@@ -183,7 +196,7 @@ def kl_core_reference(
         logits = scale * torch.matmul(qh, kh.transpose(1, 2))
         logits = logits.masked_fill(~supp.repeat_interleave(Hq // Hi, dim=0), float("-inf"))
         p = torch.softmax(logits, dim=2)
-        teacher = p.view(Hi, Hq // Hi, Tq, -1).mean(dim=1)  # [Hi, Tq, Tk]
+        teacher = p.reshape(Hi, Hq // Hi, Tq, k.shape[0]).mean(dim=1)  # [Hi, Tq, Tk]
         log_teacher = torch.where(teacher > 0, torch.log(teacher), torch.zeros_like(teacher))
     z = index_scores(q_idx, k_idx, index_scale).masked_fill(~supp, float("-inf"))
     log_qs = z - torch.logsumexp(z, dim=2, keepdim=True)

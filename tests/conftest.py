@@ -107,7 +107,8 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float, name: str = "") -> None:
     """Assert equal shapes, finite values where expected is finite, and ``rel_err <= tol``."""
-    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.shape == expected.shape, \
+        f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     finite = torch.isfinite(expected.detach())
     assert torch.equal(torch.isfinite(actual.detach()), finite), f"{name}: non-finite values differ"
     err = rel_err(actual.detach()[finite], expected.detach()[finite])

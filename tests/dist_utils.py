@@ -27,7 +27,6 @@ replaced by a CPU stand-in (:func:`install_megatron_cpu_shims`): test-only, neve
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import os
 import socket
@@ -79,8 +78,7 @@ def install_megatron_cpu_shims() -> None:
     tracker's ``add`` only records the seed, ``fork`` is a plain context and the "CUDA" state saved
     around recomputation is the CPU state (dropout-free tests are unaffected by the difference);
     RoPE frequencies stay on the CPU instead of moving to ``torch.cuda.current_device()``;
-    ``torch.cuda.synchronize`` (called by distributed checkpointing) does nothing, and so does its
-    memory logging when psutil is missing.
+    ``torch.cuda.synchronize`` (called by distributed checkpointing) does nothing.
     """
     from megatron.core.models.common.embeddings import rotary_pos_embedding
     from megatron.core.tensor_parallel import random as mrandom
@@ -118,10 +116,6 @@ def install_megatron_cpu_shims() -> None:
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     torch.cuda.manual_seed = lambda seed: None
     torch.cuda.synchronize = lambda *args, **kwargs: None  # dist_checkpointing's save calls it
-    if importlib.util.find_spec("psutil") is None:
-        from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-        filesystem_async._process_memory = lambda: 0  # only logged; psutil is not installed here
 
 
 @contextlib.contextmanager

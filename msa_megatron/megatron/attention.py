@@ -5,11 +5,13 @@ Two modules, plugged in through megatron-core's ``ModuleSpec`` (see :mod:`.spec`
 - :class:`MSASelfAttention` (a ``SelfAttention``): the main q/k/v exactly as megatron-core
   computes them, plus the index branch (MSA_SPEC section 4) read from the attention input with
   gradient stopped: ``linear_q_idx`` (hidden -> Hi*Di, column-parallel: split over TP with the
-  query heads its index heads serve) and ``linear_k_idx`` (hidden -> Hik*Di, replicated on every
-  TP rank; its gradient and the index norms' gradients are summed over TP inside autograd, so
-  ``loss.backward()`` alone leaves correct gradients). The index q/k get the transforms of the
-  main q/k: the ``q_layernorm`` class of the spec (own weights, when ``qk_layernorm``) and the
-  layer's RoPE.
+  query heads its index heads serve) and ``linear_k_idx`` (hidden -> Hik*Di,
+  :class:`IndexKeyLinear`: split over TP by index key head when ``Hik % TP == 0``, each rank
+  holding the key heads its index heads read; otherwise, e.g. the default Hik = 1, replicated
+  on every TP rank with its gradient summed over TP inside autograd, like the index norms'
+  gradients, so ``loss.backward()`` alone leaves correct gradients). The index q/k get the
+  transforms of the main q/k: the ``q_layernorm`` class of the spec (own weights, when
+  ``qk_layernorm``) and the layer's RoPE.
 - :class:`MSACoreAttention`: the core attention that megatron-core calls (and recomputes under
   selective ``core_attn`` recomputation). It converts SBHD / THD (``packed_seq_params``) to the
   op layout, selects blocks (or reuses the selection of the step, see below), runs the MSA op,
@@ -26,10 +28,21 @@ Parallel layouts (MSA_SPEC section 6, :mod:`msa_megatron.parallel.tensor`):
 - CP > 1: one call, in :meth:`MSACoreAttention._context_parallel`, to
   ``msa_megatron.parallel.context.context_parallel_msa_attention(q, k, v, q_idx, k_idx, *,
   cu_seqlens_global, cp_group, kv_exchange, block_size, top_k, init_blocks, local_blocks,
-  softmax_scale, index_scale, mode, backend, kl_scale, block_idx, tp_share_group)
-  -> (out, kl, block_idx, stats)`` with THD tensors of this rank's tokens, the global
-  (padded) ``cu_seqlens`` (SBHD: ``b`` sequences of the global length) and
-  ``kl_scale = 1 / (N_global * Hi_total)``.
+  softmax_scale, index_scale, mode, backend, kl_scale, block_idx, tp_share_group,
+  cu_seqlens_global_unpadded, stats) -> (out, kl, block_idx, stats)`` with THD tensors of this
+  rank's tokens, the global (padded) ``cu_seqlens`` (SBHD: ``b`` sequences of the global
+  length) and ``kl_scale = 1 / (N_global * Hi_total)``. The K/V exchange is
+  ``MSAConfig.cp_kv_exchange``, or when None the one megatron-core's ``cp_comm_type`` of the
+  layer maps to (``"p2p"`` -> ``"selective"``, ``"all_gather"`` -> ``"allgather"``, others
+  -> ``"allgather"``). The bytes moved accumulate per layer in
+  :func:`~msa_megatron.megatron.loss.cp_stats_accumulator` (reported by ``get_msa_metrics``);
+  ``core.cp_stats`` is the dict the last CP call added to.
+
+Padded THD (``packed_seq_params.cu_seqlens_q_padded`` set, as megatron-core pads sequences for
+CP): the tokens are laid out by the padded boundaries; a sequence's padding tokens (positions at
+or past its real length ``cu_seqlens_q``) get finite outputs but are not part of the KL: they
+add no KL term and do not count in N (``kl_scale = 1 / (N_real * Hi_total)``), with or without
+CP, TP sharing included. Real tokens never read padding (causal; it trails the sequence).
 
 Selection reuse (MSA_SPEC section 6): under megatron-core activation checkpointing (selective
 ``core_attn`` or full layer recompute) the core attention runs twice per micro-batch: once
@@ -42,8 +55,7 @@ stores nothing; its recomputation then selects again from bitwise-identical inde
 blocks, only slower. :func:`selection_counts` counts selection calls and selected
 (token, index head) rows for tests.
 
-The index key projection is replicated on every TP rank for any Hik (the default Hik = 1 makes
-sharding it pointless); each rank slices the key heads its index heads read.
+With a replicated index key projection each rank slices the key heads its index heads read.
 """
 
 from __future__ import annotations
@@ -69,6 +81,8 @@ from ..config import MSAConfig, check_mode
 from ..ops.backends import resolve_backend
 from ..ops.layout import query_layout
 from ..ops.validation import check_backend_limits, check_main_inputs
+from ..parallel.context import context_parallel_msa_attention, resolve_cp_kv_exchange
+from ..parallel.cp_layout import sbhd_cu_seqlens
 from ..parallel.tensor import (
     all_gather_first_dim,
     gather_last_dim,
@@ -76,11 +90,13 @@ from ..parallel.tensor import (
     group_size,
     index_head_layout,
     local_msa_attention,
+    real_token_rows,
     share_group,
     shared_index_msa_attention,
+    token_slices,
 )
 from . import compat
-from .loss import attach_kl_loss, record_kl, set_kl_loss_scale
+from .loss import attach_kl_loss, cp_stats_accumulator, record_kl, set_kl_loss_scale
 
 _SELECTION_COUNTS = {"calls": 0, "rows": 0}
 
@@ -156,25 +172,58 @@ def build_head_layout(config: TransformerConfig, msa_config: MSAConfig, tp_size:
     return MSAHeadLayout(hi, hik, di, first, count, key_first, key_count, share)
 
 
-class ReplicatedLinear(torch.nn.Module):
-    """``y = x W^T`` with ``W [out, in]`` replicated on every TP rank (no bias).
+class IndexKeyLinear(torch.nn.Module):
+    """The index key projection ``k_idx = x W^T`` (no bias), hidden -> Hik*Di (MSA_SPEC
+    section 6).
 
-    The gradient of ``W`` is summed over the TP group inside autograd (a hook on the parameter),
-    so each rank ends with the gradient of the whole layer. Checkpointed as a replicated tensor.
+    ``Hik % TP == 0``: split over TP by key head, rank ``r`` holding key heads
+    ``[r*Hik/TP, (r+1)*Hik/TP)`` (those its index heads read: index head ``i`` reads key head
+    ``i // (Hi/Hik)``), a TP-sharded parameter (partition dim 0) with per-rank gradients.
+    Otherwise replicated on every TP rank; the gradient of ``W`` is summed over the TP group
+    inside autograd (a hook on the parameter), so each rank ends with the gradient of the whole
+    layer. Initialised as the full ``[Hik*Di, hidden]`` matrix on every rank, then sliced: the
+    weights are the same for every TP size. Checkpointed as one global tensor in both layouts
+    (:meth:`sharded_state_dict`), so checkpoints reshard between them.
+
+    Attributes:
+        sharded: whether the weight is split over TP; first_head: global index of the first
+            key head this rank holds; num_heads: key heads this rank holds.
     """
 
-    def __init__(self, input_size: int, output_size: int, config: TransformerConfig,
-                 tp_group: Optional[dist.ProcessGroup]) -> None:
+    def __init__(self, input_size: int, num_key_heads: int, head_dim: int,
+                 config: TransformerConfig, tp_group: Optional[dist.ProcessGroup]) -> None:
         super().__init__()
+        tp_size, tp_rank = group_size(tp_group), group_rank(tp_group)
+        self.tp_group = tp_group
+        self.sharded = num_key_heads % tp_size == 0
+        self.num_heads = num_key_heads // tp_size if self.sharded else num_key_heads
+        self.first_head = tp_rank * self.num_heads if self.sharded else 0
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
-        self.weight = torch.nn.Parameter(
-            torch.empty(output_size, input_size, dtype=config.params_dtype, device=device))
+        master = torch.empty(num_key_heads * head_dim, input_size, dtype=config.params_dtype,
+                             device=device)
         if config.perform_initialization:
-            config.init_method(self.weight)
-        sum_grad_over_tp(self.weight, tp_group)
+            config.init_method(master)
+        rows = slice(self.first_head * head_dim, (self.first_head + self.num_heads) * head_dim)
+        self.weight = torch.nn.Parameter(master[rows].clone())
+        if self.sharded:
+            tensor_parallel.set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+        else:
+            sum_grad_over_tp(self.weight, tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., hidden]`` (the full sequence) -> ``[..., num_heads * Di]``."""
         return F.linear(x, self.weight)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: Optional[dict] = None) -> dict:
+        """megatron-core distributed checkpoint entries: the weight as a TP-sharded (dim 0) or
+        a replicated tensor of the same global shape."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix,
+            {"weight": 0} if self.sharded else {}, sharded_offsets, tp_group=self.tp_group,
+            dp_cp_group=(metadata or {}).get("dp_cp_group"))
 
 
 def sum_grad_over_tp(param: torch.nn.Parameter, tp_group: Optional[dist.ProcessGroup]) -> None:
@@ -230,8 +279,8 @@ class MSASelfAttention(SelfAttention):
             gather_output=False, bias=False, skip_bias_add=True, is_expert=False,
             tp_comm_buffer_name="q_idx", tp_group=tp_group,
         )
-        self.linear_k_idx = ReplicatedLinear(
-            config.hidden_size, layout.index_key_heads * layout.index_head_dim, config, tp_group)
+        self.linear_k_idx = IndexKeyLinear(config.hidden_size, layout.index_key_heads,
+                                           layout.index_head_dim, config, tp_group)
         self.q_idx_norm = self._index_norm(submodules.q_layernorm, self.q_layernorm, tp_group)
         self.k_idx_norm = self._index_norm(submodules.k_layernorm, self.k_layernorm, tp_group)
         self.core_attention.bind(self.msa_config, layout, layer_number,
@@ -310,8 +359,10 @@ class MSASelfAttention(SelfAttention):
         if self.config.sequence_parallel:
             x = all_gather_first_dim(x, tp_group)
         k_idx = self.linear_k_idx(x)
-        k_idx = k_idx.reshape(*k_idx.shape[:2], layout.index_key_heads, layout.index_head_dim)
-        k_idx = k_idx[:, :, layout.key_first:layout.key_first + layout.key_count]
+        k_idx = k_idx.reshape(*k_idx.shape[:2], self.linear_k_idx.num_heads,
+                              layout.index_head_dim)
+        first = layout.key_first - self.linear_k_idx.first_head
+        k_idx = k_idx[:, :, first:first + layout.key_count]
         if self.q_idx_norm is not None:
             q_idx = self.q_idx_norm(q_idx)
         if self.k_idx_norm is not None:
@@ -409,6 +460,7 @@ class MSACoreAttention(MegatronModule):
             raise ValueError(f"MSA attention is causal; got attn_mask_type={attn_mask_type}")
         self.layer_number = layer_number
         self.megatron_softmax_scale = softmax_scale
+        self.cp_comm_type = cp_comm_type
         self.cp_group = None if pg_collection is None else getattr(pg_collection, "cp", None)
         self.msa_config: Optional[MSAConfig] = None
         self.layout: Optional[MSAHeadLayout] = None
@@ -470,25 +522,28 @@ class MSACoreAttention(MegatronModule):
         if q_idx is None:
             q_idx, k_idx = self.take_index_inputs()
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        cu_seqlens = cu_real = seq_len = batch = None
         if thd:
             q, k, v, qi, ki = query, key, value, q_idx, k_idx
-            cu_seqlens = (packed_seq_params.cu_seqlens_q_padded
-                          if packed_seq_params.cu_seqlens_q_padded is not None
-                          else packed_seq_params.cu_seqlens_q).to(torch.int32)
-            seq_len = batch = None
+            cu_seqlens = packed_seq_params.cu_seqlens_q.to(torch.int32)
+            if packed_seq_params.cu_seqlens_q_padded is not None:
+                cu_seqlens, cu_real = (packed_seq_params.cu_seqlens_q_padded.to(torch.int32),
+                                       cu_seqlens)
         else:
             seq_len, batch = query.shape[:2]
             q, k, v, qi, ki = (_sbhd_to_thd(t) for t in (query, key, value, q_idx, k_idx))
-            cu_seqlens = None
-        out, kl = self._attention(q, k, v, qi, ki, cu_seqlens, batch, seq_len)
+        out, kl = self._attention(q, k, v, qi, ki, cu_seqlens, cu_real, batch, seq_len)
         if thd:
             out = out.reshape(out.shape[0], -1)
         else:
             out = out.view(batch, seq_len, -1).transpose(0, 1).contiguous()
         return attach_kl_loss(out, kl, float(self.msa_config.kl_coeff))
 
-    def _attention(self, q, k, v, q_idx, k_idx, cu_seqlens, batch, seq_len):
-        """THD MSA of this rank with selection reuse and metrics; returns ``(out, kl)``."""
+    def _attention(self, q, k, v, q_idx, k_idx, cu_seqlens, cu_real, batch, seq_len):
+        """THD MSA of this rank with selection reuse and metrics; returns ``(out, kl)``.
+
+        ``cu_seqlens``: the (padded) THD boundaries, None for SBHD; ``cu_real``: the real
+        boundaries of padded THD, else None (global ones under CP)."""
         msa = self.msa_config
         check_main_inputs(q, k, v, q_idx, k_idx)
         backend = resolve_backend(msa.backend, q.device)
@@ -506,7 +561,11 @@ class MSACoreAttention(MegatronModule):
                     f"layer {self.layer_number}: stored selection of {block_idx.shape[0]} tokens "
                     f"does not match the recomputed micro-batch of {q.shape[0]} tokens"
                 )
-        tokens_global = q.shape[0] * cp_size
+        if cu_seqlens is None:
+            cu_seqlens = (torch.arange(batch + 1, dtype=torch.int32, device=q.device) * seq_len
+                          if cp_size == 1 else sbhd_cu_seqlens(batch, seq_len * cp_size, q.device))
+        # N of the KL normaliser: the real tokens of the micro-batch over all CP ranks.
+        tokens_global = q.shape[0] * cp_size if cu_real is None else int(cu_real[-1] - cu_real[0])
         options = dict(
             block_size=msa.block_size, top_k=msa.top_k, init_blocks=msa.init_blocks,
             local_blocks=msa.local_blocks, softmax_scale=self._softmax_scale(),
@@ -516,19 +575,19 @@ class MSACoreAttention(MegatronModule):
         )
         if cp_size > 1:
             out, kl, block_idx, rows = self._context_parallel(
-                q, k, v, q_idx, k_idx, cu_seqlens, batch, seq_len, backend, options)
+                q, k, v, q_idx, k_idx, cu_seqlens, cu_real, backend, options,
+                new_micro_batch=not recomputing)
         else:
-            q_pos, q_kbase = query_layout(
-                cu_seqlens if cu_seqlens is not None
-                else torch.arange(batch + 1, dtype=torch.int32, device=q.device) * seq_len,
-                q.shape[0], q.device)
+            q_pos, q_kbase = query_layout(cu_seqlens, q.shape[0], q.device)
+            kl_rows = real_token_rows(cu_seqlens, cu_real, q_pos, q_kbase)
             if self.share_group is not None:
                 out, kl, block_idx, rows = shared_index_msa_attention(
                     q, k, v, q_idx, k_idx, q_pos, q_kbase, share_group=self.share_group,
-                    backend=backend, **options)
+                    backend=backend, kl_rows=kl_rows, **options)
             else:
                 out, kl, block_idx, rows = local_msa_attention(
-                    q, k, v, q_idx, k_idx, q_pos, q_kbase, backend=backend, **options)
+                    q, k, v, q_idx, k_idx, q_pos, q_kbase, backend=backend, kl_rows=kl_rows,
+                    **options)
         if rows:
             _SELECTION_COUNTS["calls"] += 1
             _SELECTION_COUNTS["rows"] += rows
@@ -543,27 +602,27 @@ class MSACoreAttention(MegatronModule):
             return self.msa_config.softmax_scale
         return self.megatron_softmax_scale
 
-    def _context_parallel(self, q, k, v, q_idx, k_idx, cu_seqlens, batch, seq_len, backend,
-                          options):
-        """The single call site of the context-parallel MSA core."""
-        try:
-            from ..parallel.context import context_parallel_msa_attention
-            from ..parallel.cp_layout import sbhd_cu_seqlens
-        except ImportError as error:
-            raise NotImplementedError(
-                "context parallelism for MSA needs msa_megatron.parallel.context"
-            ) from error
-        cp_size = group_size(self.cp_group)
-        if cu_seqlens is None:
-            cu_seqlens = sbhd_cu_seqlens(batch, seq_len * cp_size, q.device)
+    def _context_parallel(self, q, k, v, q_idx, k_idx, cu_seqlens, cu_real, backend, options,
+                          new_micro_batch: bool):
+        """The single call site of the context-parallel MSA core (``cu_seqlens``: global)."""
         given = options["block_idx"]
+        stats = (cp_stats_accumulator(self.layer_number, new_micro_batch) if self.training
+                 else None)
         out, kl, block_idx, stats = context_parallel_msa_attention(
             q, k, v, q_idx, k_idx, cu_seqlens_global=cu_seqlens, cp_group=self.cp_group,
-            kv_exchange=self.msa_config.cp_kv_exchange, backend=backend,
-            tp_share_group=self.share_group, **options,
+            kv_exchange=resolve_cp_kv_exchange(self.msa_config.cp_kv_exchange,
+                                               self.cp_comm_type, self.layer_number),
+            backend=backend, tp_share_group=self.share_group,
+            cu_seqlens_global_unpadded=cu_real, stats=stats, **options,
         )
         self.cp_stats = stats
-        rows = q_idx.shape[0] * q_idx.shape[1] if (block_idx is not None and given is None) else 0
+        rows = 0
+        if block_idx is not None and given is None:
+            rows = q_idx.shape[0] * q_idx.shape[1]
+            if self.share_group is not None:  # the share ranks each selected a token slice
+                start, end = token_slices(q_idx.shape[0], group_size(self.share_group))[
+                    group_rank(self.share_group)]
+                rows = end - start
         return out, kl, block_idx, rows
 
 

@@ -74,8 +74,9 @@ class BackendKernels:
     kl: Callable
 
 
-def lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    """dtype of the saved log-sum-exp: float64 for float64 inputs, float32 otherwise."""
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype of the kernels and dtype of the LSE: float64 for float64 inputs,
+    float32 otherwise."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -119,7 +120,7 @@ def register_backend_ops(prefix: str, kernels: BackendKernels) -> SimpleNamespac
 
     @attention_fwd_op.register_fake
     def _(q, k, v, block_idx, q_pos, q_kbase, block_size, softmax_scale, index_heads):
-        return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=lse_dtype(q.dtype))
+        return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=accumulation_dtype(q.dtype))
 
     @attention_bwd_op.register_fake
     def _(dout, q, k, v, out, lse, block_idx, q_pos, q_kbase, block_size, softmax_scale,

@@ -17,15 +17,20 @@ How the work is cut (nothing of size ``T x T`` or ``T x T/B`` per head is ever a
   KV group and masks each (query, head) to its own support. Neighbouring queries share most
   blocks, so this reads far less memory than gathering ``top_k * B`` keys per query, and the
   products are GEMMs instead of matrix-vector products.
-- Backward recomputes the scores from the saved LSE; dK, dV (and dk_idx) are accumulated chunk by
-  chunk with ``index_add_`` on rows that are unique within a chunk: deterministic on every
-  device. The KL is a scalar, so its gradients to q_idx, k_idx are computed in the same pass as
-  the value (``dz = (Qs - T) * kl_scale`` on the support) and only scaled in backward.
+- Off the support, scores get a large finite negative bias instead of ``-inf`` (so ``0 * score``
+  is 0, not NaN), and probabilities come from PyTorch's fused softmax over the chunk's whole
+  support row; rows with an empty support (impossible with a valid selection) give 0.
+- Backward recomputes P with the forward's own chunked softmax (bitwise the forward's P and, on
+  a CPU, cheaper than ``exp(S - lse)``, whose masked entries hit slow paths), so the saved LSE is
+  returned for the interface but not read. dK, dV (and dk_idx) are accumulated chunk by chunk
+  with ``index_put_(accumulate=True)`` on rows that are unique within a chunk: deterministic on
+  every device. The KL is a scalar, so its gradients to q_idx, k_idx are computed in the same
+  pass as the value (``dz = (Qs - T) * kl_scale`` on the support) and only scaled in backward.
 
 Accumulation is float32 (float64 for float64 inputs); outputs are in the input dtype, the LSE
-float32 (float64 for float64 inputs), the KL a 0-dim float32. Masking never makes a NaN and
-chunks never mix sequences, so NaN/Inf in one sequence's inputs cannot reach another sequence;
-inside a sequence they may reach rows that share a chunk with them (``0 * NaN`` in the GEMMs).
+float32 (float64 for float64 inputs), the KL a 0-dim float32. Chunks never mix sequences, so
+NaN/Inf in one sequence's inputs cannot reach another sequence; inside a sequence they may reach
+rows that share a chunk with them (``0 * NaN`` in the GEMMs).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .custom_ops import BackendKernels, lse_dtype, register_backend_ops
+from .custom_ops import BackendKernels, accumulation_dtype, register_backend_ops
 
 CHUNK_ELEMENTS = 1 << 20  # elements of one chunk's [heads, queries, keys] score tensor
 MAX_CHUNK_QUERIES = 256  # more queries per chunk widen the union of selected blocks
@@ -69,10 +74,6 @@ def _plan_chunks(q_pos: torch.Tensor, q_kbase: torch.Tensor, heads: int) -> List
             stop = min(start + size, run_stop)
             chunks.append(_Chunk(start, stop, base[start], max(pos[start:stop])))
     return chunks
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _group_major(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -146,7 +147,7 @@ def select_kernel(
     """
     Tq, Hi, _ = q_idx.shape
     Hik = k_idx.shape[1]
-    acc = _acc_dtype(q_idx.dtype)
+    acc = accumulation_dtype(q_idx.dtype)
     block_idx = torch.full((Tq, Hi, top_k), -1, dtype=torch.int32, device=q_idx.device)
     for ch in _plan_chunks(q_pos, q_kbase, Hi):
         C, width = ch.stop - ch.start, ch.max_pos + 1
@@ -226,6 +227,14 @@ def _support_softmax(s: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return p, m
 
 
+def _row_lse(p: torch.Tensor, m: torch.Tensor, empty_value: float) -> torch.Tensor:
+    """Row log-sum-exp ``[..., 1]`` from softmax ``p`` and row max ``m``: the largest probability
+    is ``exp(0) / sum``, so ``lse = m + log(sum) = m - log(max p)``; ``empty_value`` where the
+    support is empty."""
+    p_max = p.amax(dim=-1, keepdim=True)
+    return torch.where(p_max == 0, empty_value, m - torch.log(p_max))
+
+
 def _main_probabilities(
     qs: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, heads: int
 ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -258,9 +267,9 @@ def attention_forward_kernel(
     del index_heads
     Tq, Hq, D = q.shape
     Hkv = k.shape[1]
-    acc = _acc_dtype(q.dtype)
+    acc = accumulation_dtype(q.dtype)
     out = q.new_zeros((Tq, Hq, D))
-    lse = torch.full((Tq, Hq), _NEG_INF, dtype=lse_dtype(q.dtype), device=q.device)
+    lse = torch.full((Tq, Hq), _NEG_INF, dtype=acc, device=q.device)
     for ch in _plan_chunks(q_pos, q_kbase, Hq):
         sup = _chunk_support(ch, q_pos, block_idx, block_size, acc)
         if sup.rows.numel() == 0:
@@ -268,11 +277,9 @@ def attention_forward_kernel(
         C = ch.stop - ch.start
         qs = _group_major(q[ch.start:ch.stop].to(acc) * softmax_scale, Hkv)
         p, m = _main_probabilities(qs, _gather_rows(k, sup.rows, acc), sup.bias, Hq)
-        # The largest probability is exp(0) / sum, so lse = max + log(sum) = max - log(p_max).
-        chunk_lse = m - torch.log(p.amax(dim=-1, keepdim=True))
         o = torch.bmm(p, _gather_rows(v, sup.rows, acc))
         out[ch.start:ch.stop] = _token_major(o, C).to(q.dtype)
-        lse[ch.start:ch.stop] = _token_major(chunk_lse, C).squeeze(-1)
+        lse[ch.start:ch.stop] = _token_major(_row_lse(p, m, _NEG_INF), C).squeeze(-1)
     return out, lse
 
 
@@ -290,7 +297,7 @@ def attention_backward_kernel(
     del lse, index_heads
     Tq, Hq, D = q.shape
     Hkv = k.shape[1]
-    acc = _acc_dtype(q.dtype)
+    acc = accumulation_dtype(q.dtype)
     dq = torch.zeros_like(q)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
@@ -344,7 +351,7 @@ def kl_kernel(
     Tq, Hq, _ = q.shape
     Hkv = k.shape[1]
     Hi, Hik = q_idx.shape[1], k_idx.shape[1]
-    acc = _acc_dtype(q.dtype)
+    acc = accumulation_dtype(q.dtype)
     tiny = torch.finfo(acc).tiny  # log(T + tiny): 0 log 0 = 0 with no NaN and no branch
     total = torch.zeros((), dtype=acc, device=q.device)
     if compute_grad:
@@ -363,7 +370,7 @@ def kl_kernel(
         ki = _gather_rows(k_idx, sup.rows, acc)
         z = _token_major(torch.bmm(qi, ki.transpose(1, 2)), C)
         student, m = _support_softmax(z + sup.bias)
-        lse_z = m - torch.log(student.amax(dim=-1, keepdim=True))
+        lse_z = _row_lse(student, m, 0.0)  # an empty row has teacher mass 0: no contribution
         entropy_term = torch.dot(teacher.flatten(), torch.log(teacher + tiny).flatten())
         cross_term = torch.dot(teacher.flatten(), z.flatten())
         cross_term -= torch.dot(teacher.sum(dim=-1).flatten(), lse_z.flatten())

@@ -23,9 +23,10 @@ given. Data flow on every CP rank (megatron-core's load-balanced layout, see
    N = tokens of the whole sequence over all CP ranks, so summing the ranks' KL gives the KL of
    one device holding everything. Gradients of gathered index keys return to their owners.
 
-Bytes are counted per rank as the payload this rank hands to / gets from other ranks (copies
-of its own rows are not counted; wire-level algorithm overheads of the collectives are not
-modelled). With ``R`` = CP-1 peers, ``T_l`` local tokens, ``e`` the element size:
+Bytes (and fetched rows) are counted per rank in a :data:`STAT_KEYS` dict, fresh per call or
+the caller's accumulator (``stats=``), as the payload this rank hands to / gets from other
+ranks (copies of its own rows are not counted; wire-level algorithm overheads of the
+collectives are not modelled). With ``R`` = CP-1 peers, ``T_l`` local tokens, ``e`` the element size:
 
 - index keys (both modes): forward sent = recv = ``R * T_l * Hik * Di * e``; backward the same.
 - allgather K/V: forward sent = recv = ``R * T_l * 2 * Hkv * D * e``; backward (dK/dV
@@ -55,7 +56,13 @@ from ..ops.validation import (
     check_scale,
 )
 from .cp_layout import CPLayout, build_cp_layout
-from .tensor import _all_gather_rows, shared_index_msa_attention, token_slices
+from .tensor import (
+    all_gather_rows,
+    kl_of_rows,
+    real_token_rows,
+    shared_index_msa_attention,
+    token_slices,
+)
 
 BLOCK_ID_DTYPE = torch.int32
 COUNT_DTYPE = torch.int64
@@ -81,6 +88,13 @@ def new_cp_stats() -> Dict[str, int]:
 def cp_bytes_moved(stats: Dict[str, int]) -> int:
     """Total bytes this rank received over CP in one layer's forward and backward."""
     return sum(value for key, value in stats.items() if key.endswith("_bytes_recv"))
+
+
+def cp_bytes_received(stats: Dict[str, int]) -> Tuple[int, int]:
+    """``(forward, backward)`` bytes this rank received over CP (the block-id exchange of
+    ``selective`` mode counts as forward); they add up to :func:`cp_bytes_moved`."""
+    backward = sum(value for key, value in stats.items() if key.endswith("_bwd_bytes_recv"))
+    return cp_bytes_moved(stats) - backward, backward
 
 
 def resolve_cp_kv_exchange(
@@ -329,6 +343,7 @@ def context_parallel_msa_attention(
     block_idx: Optional[torch.Tensor] = None,
     tp_share_group=None,
     cu_seqlens_global_unpadded: Optional[torch.Tensor] = None,
+    stats: Optional[Dict[str, int]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Dict[str, int]]:
     """MSA core attention of this CP rank's queries (MSA_SPEC sections 2-4 and 6).
 
@@ -359,7 +374,9 @@ def context_parallel_msa_attention(
             ``cu_seqlens_q_padded``), or None (no padding). Positions at or past a sequence's
             real length are padding: their outputs are computed (finite; causal, so real
             tokens never read them) but they add nothing to the KL. ``kl_scale`` should then
-            count real tokens only. Not supported together with ``tp_share_group``.
+            count real tokens only. Works with ``tp_share_group`` too.
+        stats: a :data:`STAT_KEYS` dict to add this call's counters to (e.g. a layer's
+            per-step accumulator), or None for a fresh one.
 
     Returns:
         ``(out, kl, block_idx, stats)``: ``out [T_local, Hq_local, D]`` in q.dtype,
@@ -367,8 +384,8 @@ def context_parallel_msa_attention(
         ``kl_scale * sum`` of this rank's queries' KL, differentiable in q_idx and k_idx (the
         gradients of gathered index keys reach their owners); ``block_idx`` ``[T_local,
         Hi_local, top_k]`` int32 block numbers relative to the sequence start (None in dense
-        mode); ``stats`` the :data:`STAT_KEYS` counters of this call (backward entries are
-        filled in when backward runs).
+        mode); ``stats`` the :data:`STAT_KEYS` counters (the ``stats`` argument when given, with
+        this call's counts added; backward entries are added when backward runs).
 
     Raises:
         TypeError / ValueError: bad inputs (MSA_SPEC section 7) or CP boundaries.
@@ -391,7 +408,8 @@ def context_parallel_msa_attention(
         _check_block_idx(block_idx, t_local, hi, top_k)
     layout = build_cp_layout(cu_seqlens_global, dist.get_world_size(cp_group),
                              dist.get_rank(cp_group), block_size, q.device, total_local=t_local)
-    stats = new_cp_stats()
+    if stats is None:
+        stats = new_cp_stats()
     impl = get_backend(name)
 
     shared = tp_share_group is not None and dist.get_world_size(tp_share_group) > 1
@@ -399,12 +417,8 @@ def context_parallel_msa_attention(
         raise ValueError(
             f"with a tp_share_group the rank holds exactly one index head, got q_idx with Hi={hi}"
         )
-    kl_rows = _real_token_rows(layout, cu_seqlens_global_unpadded, cu_seqlens_global)
-    if shared and kl_rows is not None:
-        raise NotImplementedError(
-            "padded THD sequences (cu_seqlens_global_unpadded) with TP ranks sharing an index "
-            "head are not supported"
-        )
+    kl_rows = real_token_rows(cu_seqlens_global, cu_seqlens_global_unpadded, layout.q_pos,
+                              layout.q_kbase)
     select = dict(block_size=block_size, top_k=top_k, init_blocks=init_blocks,
                   local_blocks=local_blocks, index_scale=index_scale)
 
@@ -416,10 +430,11 @@ def context_parallel_msa_attention(
         else:
             block_idx = impl.select(q_idx.detach(), k_idx_global.detach(), layout.q_pos,
                                     layout.q_kbase, **select)
-    stats["kv_head_rows_remote"] = (layout.cp_size - 1) * t_local * k.shape[1]
+    remote_rows = (layout.cp_size - 1) * t_local * k.shape[1]
+    stats["kv_head_rows_remote"] += remote_rows
     if kv_exchange == "allgather":
         k_global, v_global = _GatherRows.apply(layout, cp_group, stats, "kv", k, v)
-        stats["kv_head_rows_fetched"] = stats["kv_head_rows_remote"]
+        stats["kv_head_rows_fetched"] += remote_rows
     else:
         plan = build_selective_plan(layout, needed_blocks(layout, block_idx, k.shape[1]),
                                     cp_group, stats)
@@ -431,51 +446,16 @@ def context_parallel_msa_attention(
         out, kl, _, _ = shared_index_msa_attention(
             q, k_global, v_global, q_idx, k_idx_global, layout.q_pos, layout.q_kbase,
             share_group=tp_share_group, backend=name, softmax_scale=softmax_scale, mode=mode,
-            kl_scale=kl_scale, block_idx=block_idx, **select)
+            kl_scale=kl_scale, block_idx=block_idx, kl_rows=kl_rows, **select)
         return out, kl, block_idx, stats
     out, lse = impl.attention(q, k_global, v_global, block_idx, layout.q_pos, layout.q_kbase,
                               block_size=block_size, softmax_scale=softmax_scale,
                               index_heads=hi)
-    q_kl, lse_kl, q_idx_kl, idx_kl = q.detach(), lse.detach(), q_idx, block_idx
-    q_pos, q_kbase = layout.q_pos, layout.q_kbase
-    if kl_rows is not None:  # padding queries add nothing to the KL
-        q_kl, lse_kl, q_idx_kl, q_pos, q_kbase = (
-            t.index_select(0, kl_rows) for t in (q_kl, lse_kl, q_idx, q_pos, q_kbase))
-        idx_kl = None if block_idx is None else block_idx.index_select(0, kl_rows)
-    kl = impl.kl(q_kl, k_global.detach(), lse_kl, q_idx_kl, k_idx_global, idx_kl, q_pos, q_kbase,
-                 block_size=block_size, softmax_scale=softmax_scale, index_scale=index_scale,
-                 kl_scale=kl_scale)
+    # Padding queries (kl_rows) add nothing to the KL.
+    kl = kl_of_rows(impl, kl_rows, q.detach(), k_global.detach(), lse.detach(), q_idx,
+                    k_idx_global, block_idx, layout.q_pos, layout.q_kbase, block_size=block_size,
+                    softmax_scale=softmax_scale, index_scale=index_scale, kl_scale=kl_scale)
     return out, kl, block_idx, stats
-
-
-def _real_token_rows(layout: CPLayout, cu_unpadded: Optional[torch.Tensor],
-                     cu_padded: torch.Tensor) -> Optional[torch.Tensor]:
-    """Local rows of real (non-padding) tokens, or None when there is no padding.
-
-    Raises:
-        TypeError / ValueError: ``cu_unpadded`` not int32 ``[n+1]`` like ``cu_padded``, or a
-            real length above its padded length.
-    """
-    if cu_unpadded is None:
-        return None
-    if not isinstance(cu_unpadded, torch.Tensor) or cu_unpadded.dtype != torch.int32:
-        raise TypeError("cu_seqlens_global_unpadded must be an int32 torch.Tensor or None")
-    if cu_unpadded.shape != cu_padded.shape:
-        raise ValueError(
-            f"cu_seqlens_global_unpadded has shape {list(cu_unpadded.shape)} but "
-            f"cu_seqlens_global has shape {list(cu_padded.shape)}"
-        )
-    real = torch.diff(cu_unpadded.to(torch.int64).to(layout.q_pos.device))
-    padded = torch.diff(cu_padded.to(torch.int64).to(layout.q_pos.device))
-    if bool((real < 0).any()) or bool((real > padded).any()):
-        raise ValueError(
-            f"cu_seqlens_global_unpadded {cu_unpadded.tolist()} must have non-negative lengths "
-            f"no larger than those of cu_seqlens_global {cu_padded.tolist()}"
-        )
-    if bool((real == padded).all()):
-        return None
-    keep = layout.q_pos.to(torch.int64) < real[layout.q_seq]
-    return torch.nonzero(keep).flatten()
 
 
 def _shared_selection(impl, q_idx: torch.Tensor, k_idx_global: torch.Tensor, layout: CPLayout,
@@ -487,4 +467,4 @@ def _shared_selection(impl, q_idx: torch.Tensor, k_idx_global: torch.Tensor, lay
     with torch.no_grad():
         own = impl.select(q_idx[start:end].detach(), k_idx_global.detach(),
                           layout.q_pos[start:end], layout.q_kbase[start:end], **select)
-        return _all_gather_rows(own, slices, share_group)
+        return all_gather_rows(own, slices, share_group)

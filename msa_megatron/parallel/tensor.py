@@ -22,6 +22,10 @@ and the TP size:
   projections sum these partial gradients (:func:`gather_last_dim` backward,
   :func:`sum_grad_over_group`).
 
+Padded packed sequences (megatron-core's ``cu_seqlens_q_padded``): both layouts take
+``kl_rows`` (:func:`real_token_rows`), the rows whose queries count in the KL; padding rows get
+outputs but no KL term.
+
 Everything here is plain ``torch.distributed``: any device, gloo or NCCL, no Triton, no Megatron.
 """
 
@@ -185,9 +189,19 @@ def token_slices(total: int, parts: int) -> List[Tuple[int, int]]:
     return [(min(i * step, total), min((i + 1) * step, total)) for i in range(parts)]
 
 
-def _all_gather_rows(x: torch.Tensor, slices: Sequence[Tuple[int, int]],
-                     group: ProcessGroup) -> torch.Tensor:
-    """All-gather row slices of uneven length (padded to the longest) and concatenate them."""
+def all_gather_rows(x: torch.Tensor, slices: Sequence[Tuple[int, int]],
+                    group: ProcessGroup) -> torch.Tensor:
+    """All-gather row slices of uneven length (no autograd).
+
+    Args:
+        x: ``[end - start, ...]`` this rank's slice ``slices[rank]`` (rows of one global tensor).
+        slices: ``[(start, end), ...]`` per rank of ``group`` (:func:`token_slices`).
+        group: the ranks holding the slices, in slice order.
+
+    Returns:
+        ``[slices[-1][1] - slices[0][0], ...]``: the slices concatenated in rank order (each is
+        padded to the longest for the collective, the padding is dropped).
+    """
     rows = max(end - start for start, end in slices)
     padded = x.new_zeros((rows,) + tuple(x.shape[1:]))
     padded[: x.shape[0]] = x
@@ -221,7 +235,7 @@ def shared_index_msa_attention(
     q_pos: torch.Tensor, q_kbase: torch.Tensor, *, share_group: ProcessGroup, backend: str,
     block_size: int, top_k: int, init_blocks: int, local_blocks: int,
     softmax_scale: Optional[float], index_scale: Optional[float], mode: str, kl_scale: float,
-    block_idx: Optional[torch.Tensor] = None,
+    block_idx: Optional[torch.Tensor] = None, kl_rows: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], int]:
     """MSA core of one TP rank whose index head is shared by the ranks of ``share_group``.
 
@@ -235,6 +249,9 @@ def shared_index_msa_attention(
             :func:`msa_megatron.ops.api.msa_attention_core`.
         kl_scale: ``1 / (N * Hi_total)``.
         block_idx: ``[T, 1, top_k]`` int32 selection of an earlier call (reused), or None.
+        kl_rows: ``[R]`` int64 ascending rows whose queries count in the KL (the real tokens of
+            padded sequences, :func:`real_token_rows`), or None for all rows. The other rows
+            get outputs but add nothing to the KL (``kl_scale`` should count ``R`` tokens).
 
     Returns:
         ``(out, kl, block_idx, selected_rows)``: ``out [T, Hq_local, D]``; ``kl`` 0-dim fp32,
@@ -254,7 +271,7 @@ def shared_index_msa_attention(
                               q_kbase[start:end], block_size=block_size, top_k=top_k,
                               init_blocks=init_blocks, local_blocks=local_blocks,
                               index_scale=index_scale)
-            block_idx = _all_gather_rows(own, slices, share_group)
+            block_idx = all_gather_rows(own, slices, share_group)
         selected_rows = (end - start) * q_idx.shape[1]
     if mode == "dense":
         block_idx = None
@@ -263,10 +280,14 @@ def shared_index_msa_attention(
     with torch.no_grad():
         q_slice = _heads_to_tokens(q.detach(), slices, share_group)
         lse_slice = _heads_to_tokens(lse.detach(), slices, share_group)
-    kl = impl.kl(q_slice, k.detach(), lse_slice, q_idx[start:end], k_idx,
-                 None if block_idx is None else block_idx[start:end], q_pos[start:end],
-                 q_kbase[start:end], block_size=block_size, softmax_scale=softmax_scale,
-                 index_scale=index_scale, kl_scale=kl_scale)
+    slice_rows = None
+    if kl_rows is not None:
+        inside = (kl_rows >= start) & (kl_rows < end)
+        slice_rows = kl_rows[inside] - start
+    kl = kl_of_rows(impl, slice_rows, q_slice, k.detach(), lse_slice, q_idx[start:end], k_idx,
+                    None if block_idx is None else block_idx[start:end], q_pos[start:end],
+                    q_kbase[start:end], block_size=block_size, softmax_scale=softmax_scale,
+                    index_scale=index_scale, kl_scale=kl_scale)
     return out, kl, block_idx, selected_rows
 
 
@@ -275,7 +296,7 @@ def local_msa_attention(
     q_pos: torch.Tensor, q_kbase: torch.Tensor, *, backend: str, block_size: int, top_k: int,
     init_blocks: int, local_blocks: int, softmax_scale: Optional[float],
     index_scale: Optional[float], mode: str, kl_scale: float,
-    block_idx: Optional[torch.Tensor] = None,
+    block_idx: Optional[torch.Tensor] = None, kl_rows: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], int]:
     """MSA core of a rank that owns whole index heads (``Hi % TP == 0``): same arguments and
     results as :func:`shared_index_msa_attention`, shapes ``q [T, Hq_local, D]``,
@@ -291,10 +312,90 @@ def local_msa_attention(
         selected_rows = q_idx.shape[0] * q_idx.shape[1]
     if mode == "dense":
         block_idx = None
-    out, kl = msa_attention_core(
-        q, k, v, q_idx, k_idx, q_pos, q_kbase, backend=backend, block_size=block_size,
-        top_k=top_k, init_blocks=init_blocks, local_blocks=local_blocks,
-        softmax_scale=softmax_scale, index_scale=index_scale, mode=mode, kl_scale=kl_scale,
-        block_idx=block_idx,
-    )
+    if kl_rows is None:
+        out, kl = msa_attention_core(
+            q, k, v, q_idx, k_idx, q_pos, q_kbase, backend=backend, block_size=block_size,
+            top_k=top_k, init_blocks=init_blocks, local_blocks=local_blocks,
+            softmax_scale=softmax_scale, index_scale=index_scale, mode=mode, kl_scale=kl_scale,
+            block_idx=block_idx,
+        )
+        return out, kl, block_idx, selected_rows
+    impl = get_backend(backend)
+    out, lse = impl.attention(q, k, v, block_idx, q_pos, q_kbase, block_size=block_size,
+                              softmax_scale=softmax_scale, index_heads=q_idx.shape[1])
+    kl = kl_of_rows(impl, kl_rows, q.detach(), k.detach(), lse.detach(), q_idx, k_idx, block_idx,
+                    q_pos, q_kbase, block_size=block_size, softmax_scale=softmax_scale,
+                    index_scale=index_scale, kl_scale=kl_scale)
     return out, kl, block_idx, selected_rows
+
+
+def real_token_rows(cu_seqlens_padded: torch.Tensor, cu_seqlens_real: Optional[torch.Tensor],
+                    q_pos: torch.Tensor, q_kbase: torch.Tensor) -> Optional[torch.Tensor]:
+    """Rows of real (non-padding) query tokens of padded packed sequences (megatron-core's THD
+    ``cu_seqlens_q_padded`` next to ``cu_seqlens_q``).
+
+    A token at position ``p`` of sequence ``s`` is padding when ``p >= real length of s``
+    (megatron pads each sequence at its end).
+
+    Args:
+        cu_seqlens_padded: ``[n+1]`` int32 padded boundaries (those the tokens are laid out by).
+        cu_seqlens_real: ``[n+1]`` int32 real boundaries, or None (no padding).
+        q_pos, q_kbase: ``[T]`` int32 query layout against the padded boundaries
+            (:mod:`msa_megatron.ops.layout`): position in the sequence, row of its start.
+
+    Returns:
+        ``[R]`` int64 ascending rows of real tokens, or None when no sequence is padded.
+
+    Raises:
+        TypeError: ``cu_seqlens_real`` not an int32 tensor.
+        ValueError: shapes differ, or a real length is negative or above its padded length.
+    """
+    if cu_seqlens_real is None:
+        return None
+    if not isinstance(cu_seqlens_real, torch.Tensor) or cu_seqlens_real.dtype != torch.int32:
+        raise TypeError("the real (unpadded) cu_seqlens must be an int32 torch.Tensor or None")
+    if cu_seqlens_real.shape != cu_seqlens_padded.shape:
+        raise ValueError(
+            f"the real (unpadded) cu_seqlens has shape {list(cu_seqlens_real.shape)} but the "
+            f"padded cu_seqlens has shape {list(cu_seqlens_padded.shape)}"
+        )
+    real = torch.diff(cu_seqlens_real.to(device=q_pos.device, dtype=torch.int64))
+    padded = torch.diff(cu_seqlens_padded.to(device=q_pos.device, dtype=torch.int64))
+    if bool((real < 0).any()) or bool((real > padded).any()):
+        raise ValueError(
+            f"the real (unpadded) cu_seqlens {cu_seqlens_real.tolist()} must have non-negative "
+            f"lengths no larger than those of the padded cu_seqlens {cu_seqlens_padded.tolist()}"
+        )
+    if bool((real == padded).all()):
+        return None
+    starts = cu_seqlens_padded.to(device=q_pos.device, dtype=torch.int64)
+    # The last boundary <= the start row: skips zero-length sequences that share the start.
+    seq = torch.searchsorted(starts, q_kbase.to(torch.int64), right=True) - 1
+    keep = q_pos.to(torch.int64) < real[seq]
+    return torch.nonzero(keep).flatten()
+
+
+def kl_of_rows(impl, rows: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+               lse: torch.Tensor, q_idx: torch.Tensor, k_idx: torch.Tensor,
+               block_idx: Optional[torch.Tensor], q_pos: torch.Tensor, q_kbase: torch.Tensor,
+               **options) -> torch.Tensor:
+    """The backend's KL core (:mod:`msa_megatron.ops.backends`) over the query ``rows`` only.
+
+    Args:
+        impl: a backend; rows: ``[R]`` int64 query rows, or None for all; q ``[T, Hq, D]``
+            (detached), k ``[Tk, Hkv, D]`` (detached), lse ``[T, Hq]`` (detached), q_idx
+            ``[T, Hi, Di]``, k_idx ``[Tk, Hik, Di]``, block_idx ``[T, Hi, top_k]`` or None,
+            q_pos / q_kbase ``[T]``; options: ``block_size``, ``softmax_scale``,
+            ``index_scale``, ``kl_scale``.
+
+    Returns:
+        0-dim fp32 KL, differentiable in q_idx and k_idx (an exact zero, with zero gradients,
+        when ``rows`` is empty).
+    """
+    if rows is not None and rows.numel() == 0:
+        return (q_idx[:0].sum() + k_idx[:0].sum()).float()
+    if rows is not None:
+        q, lse, q_idx, q_pos, q_kbase = (t.index_select(0, rows)
+                                         for t in (q, lse, q_idx, q_pos, q_kbase))
+        block_idx = None if block_idx is None else block_idx.index_select(0, rows)
+    return impl.kl(q, k, lse, q_idx, k_idx, block_idx, q_pos, q_kbase, **options)

@@ -42,6 +42,7 @@ class Setup:
     kv_channels: int = 16
     layers: int = 2
     index_heads: Optional[int] = None
+    index_key_heads: int = 1
     index_head_dim: int = 16
     block_size: int = 16
     top_k: int = 3
@@ -85,7 +86,8 @@ def build_model(setup: Setup, tp: int):
     torch.manual_seed(setup.seed)
     msa = MSAConfig(block_size=setup.block_size, top_k=setup.top_k,
                     index_head_dim=setup.index_head_dim, index_heads=setup.index_heads,
-                    backend=setup.backend, kl_coeff=setup.kl_coeff, mode=setup.mode)
+                    index_key_heads=setup.index_key_heads, backend=setup.backend,
+                    kl_coeff=setup.kl_coeff, mode=setup.mode)
     spec = get_gpt_layer_msa_spec(msa, use_te=setup.use_te, qk_layernorm=setup.qk_layernorm,
                                   normalization="RMSNorm")
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,

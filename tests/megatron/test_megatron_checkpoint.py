@@ -1,6 +1,8 @@
 """MSA parameters through megatron-core distributed checkpointing: save at TP=2, resume at TP=2
-and at TP=1 with the same next-step loss; a dense GPT checkpoint (TP=2) loads into the MSA model
-(TP=1) with fresh index projections (the dense -> warmup -> sparse conversion path)."""
+and at TP=1 with the same next-step loss, for both layouts of the index key projection
+(replicated with Hik=1 at TP=2, split over TP with Hik=2 at TP=2, resumed where it is replicated:
+TP=4); a dense GPT checkpoint (TP=2) loads into the MSA model (TP=1) with fresh index
+projections (the dense -> warmup -> sparse conversion path)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from tests.megatron.gpt_harness import (
 pytestmark = pytest.mark.slow
 
 SETUP = Setup(formats=["sbhd", "thd"])
+SHARDED_KEYS = dataclasses.replace(SETUP, index_key_heads=2, index_heads=4)
 LOCAL = dataclasses.replace(SETUP, use_te=False)  # parameter names of the dense local GPT
 
 
@@ -32,34 +35,44 @@ def _next_loss(model) -> torch.Tensor:
         return model(tokens, positions, None, labels=tokens, packed_seq_params=packed).mean().cpu()
 
 
-def _save_msa(rank: int, world_size: int, path: str) -> torch.Tensor:
+def _index_params(model) -> dict:
+    return {n: full_tensor(p) for n, p in model.named_parameters() if "_idx" in n}
+
+
+def _save_msa(rank: int, world_size: int, path: str, setup: Setup) -> dict:
     from megatron.core import dist_checkpointing
 
-    model = build_model(SETUP, world_size)
-    train(model, SETUP, steps=1)
+    model = build_model(setup, world_size)
+    train(model, setup, steps=1)
     with cuda_device_as_cpu():
         dist_checkpointing.save(model.sharded_state_dict(), path)
-    return _next_loss(model)
+    return {"loss": _next_loss(model), "index_params": _index_params(model)}
 
 
-def _resume_msa(rank: int, world_size: int, path: str) -> torch.Tensor:
+def _resume_msa(rank: int, world_size: int, path: str, setup: Setup) -> dict:
     from megatron.core import dist_checkpointing
 
-    model = build_model(dataclasses.replace(SETUP, seed=7), world_size)
+    model = build_model(dataclasses.replace(setup, seed=7), world_size)
     with cuda_device_as_cpu():
         state = dist_checkpointing.load(model.sharded_state_dict(), path)
     model.load_state_dict(state)
-    return _next_loss(model)
+    return {"loss": _next_loss(model), "index_params": _index_params(model)}
 
 
-def test_msa_checkpoint_resume_and_reshard(tmp_path):
+@pytest.mark.parametrize("setup,resume_tps", [(SETUP, (2, 1)), (SHARDED_KEYS, (4,))],
+                         ids=["replicated-index-keys", "tp-split-index-keys"])
+def test_msa_checkpoint_resume_and_reshard(tmp_path, setup, resume_tps):
     path = str(tmp_path / "msa")
     (tmp_path / "msa").mkdir()
-    expected = run_distributed(_save_msa, 2, args=(path,), tp=2)[0]
-    for tp in (2, 1):
-        losses = run_distributed(_resume_msa, tp, args=(path,), tp=tp)
-        for loss in losses:
-            torch.testing.assert_close(loss, expected, **tolerance(rtol=1e-5, atol=1e-6))
+    expected = run_distributed(_save_msa, 2, args=(path, setup), tp=2)[0]
+    for tp in resume_tps:
+        for resumed in run_distributed(_resume_msa, tp, args=(path, setup), tp=tp):
+            torch.testing.assert_close(resumed["loss"], expected["loss"],
+                                       **tolerance(rtol=1e-5, atol=1e-6))
+            assert resumed["index_params"].keys() == expected["index_params"].keys()
+            for name, weight in expected["index_params"].items():
+                torch.testing.assert_close(resumed["index_params"][name], weight, rtol=0, atol=0,
+                                           msg=f"{name} at TP={tp}")
 
 
 def _save_dense(rank: int, world_size: int, path: str) -> dict:

@@ -1,6 +1,7 @@
 """The MSA core attention's context-parallel call site: CP=2 ranks holding megatron-core's
 load-balanced halves of an SBHD batch give the outputs, KL and gradients of one rank holding it
-all (the CP exchange itself is tested in tests/parallel)."""
+all (the CP exchange itself is tested in tests/parallel); the K/V exchange follows
+``MSAConfig.cp_kv_exchange``, or megatron-core's ``cp_comm_type`` when it is None."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.slow
 SEQ, BATCH, HEADS, GROUPS, DIM, INDEX_DIM = 128, 2, 4, 2, 16, 16
 
 
-def _core(cp_group):
+def _core(cp_group, cp_kv_exchange=None, cp_comm_type=None):
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnMaskType
@@ -27,8 +28,9 @@ def _core(cp_group):
     config = TransformerConfig(num_layers=1, hidden_size=HEADS * DIM, num_attention_heads=HEADS,
                                num_query_groups=GROUPS, kv_channels=DIM, attention_dropout=0.0,
                                use_cpu_initialization=True)
-    msa = MSAConfig(block_size=16, top_k=3, index_head_dim=INDEX_DIM, backend="torch")
-    core = MSACoreAttention(config, 1, AttnMaskType.causal,
+    msa = MSAConfig(block_size=16, top_k=3, index_head_dim=INDEX_DIM, backend="torch",
+                    cp_kv_exchange=cp_kv_exchange)
+    core = MSACoreAttention(config, 1, AttnMaskType.causal, cp_comm_type=cp_comm_type,
                             pg_collection=ProcessGroupCollection(tp=None, cp=cp_group))
     core.bind(msa, build_head_layout(config, msa, 1, 0), 1, None, tp_size=1)
     return core
@@ -85,3 +87,42 @@ def test_context_parallel_core_matches_single_rank():
             expected = _local_half(ref[name], res["cp"], res["rank"])
             torch.testing.assert_close(got[name], expected, **tolerance(rtol=1e-9, atol=1e-11),
                                        msg=name)
+
+
+# (MSAConfig.cp_kv_exchange, megatron cp_comm_type of the layer, K/V exchange the layer uses)
+EXCHANGE_CASES = [
+    (None, "p2p", "selective"),
+    (None, "all_gather", "allgather"),
+    (None, "a2a", "allgather"),  # head-scattering types MSA does not implement
+    (None, None, "allgather"),
+    ("allgather", "p2p", "allgather"),  # an explicit choice wins
+    ("selective", "all_gather", "selective"),
+]
+
+
+def _exchange_worker(rank: int, world_size: int) -> list:
+    from megatron.core import parallel_state
+
+    from msa_megatron.megatron import get_msa_metrics
+
+    cp = parallel_state.get_context_parallel_world_size()
+    local = {n: _local_half(t, cp, rank) for n, t in _inputs().items()}
+    used = []
+    for cp_kv_exchange, cp_comm_type, _ in EXCHANGE_CASES:
+        core = _core(parallel_state.get_context_parallel_group(), cp_kv_exchange, cp_comm_type)
+        with torch.no_grad():
+            core(local["q"], local["k"], local["v"], None, q_idx=local["q_idx"],
+                 k_idx=local["k_idx"])
+        # only the selective exchange sends block ids
+        used.append("selective" if core.cp_stats["kv_ids_bytes_sent"] > 0 else "allgather")
+        get_msa_metrics(reset=True)
+    return used
+
+
+def test_kv_exchange_from_cp_comm_type():
+    from msa_megatron import MSAConfig
+
+    assert MSAConfig().cp_kv_exchange is None
+    expected = [case[-1] for case in EXCHANGE_CASES]
+    for used in run_distributed(_exchange_worker, 2, tp=1, cp=2):
+        assert used == expected

@@ -1,6 +1,8 @@
 """TP=2 (Hkv divisible) and TP=4 with 2 query groups (TP > Hkv, ranks share an index head) train
 exactly like TP=1: same LM losses, KL values and gradients over several SGD steps in SBHD and THD,
-and no selection is computed twice (MSA_SPEC section 6)."""
+and no selection is computed twice (MSA_SPEC section 6). With Hik % TP == 0 the index key
+projection is split over TP (each rank holds the key heads its index heads read), and still
+trains like TP=1."""
 
 from __future__ import annotations
 
@@ -78,3 +80,29 @@ def test_sequence_parallel_matches_single_rank(reference, tp):
     setup = Setup(sequence_parallel=True)
     for record in run_distributed(train_worker, tp, args=(setup, tp), tp=tp):
         _compare(reference, record)
+
+
+def _index_key_worker(rank: int, world_size: int, setup: Setup) -> dict:
+    """train_worker plus the local index key projection's shape and TP attributes."""
+    from tests.megatron.gpt_harness import build_model, train
+
+    model = build_model(setup, world_size)
+    weight = model.decoder.layers[0].self_attention.linear_k_idx.weight
+    record = train(model, setup)
+    record["k_idx_weight"] = (tuple(weight.shape), getattr(weight, "tensor_model_parallel", False))
+    return record
+
+
+def test_tp_splits_index_key_heads():
+    """Hik=2 at TP=2: each rank holds the one index key head its index head reads (a TP-sharded
+    weight); at TP=4 (Hik % TP != 0) the projection is replicated."""
+    setup = Setup(index_key_heads=2, index_heads=4)
+    reference = run_distributed(_index_key_worker, 1, args=(setup,), tp=1)[0]
+    width = setup.index_head_dim
+    for tp, expected in ((2, ((width, setup.hidden), True)),
+                         (4, ((2 * width, setup.hidden), False))):
+        records = run_distributed(_index_key_worker, tp, args=(setup,), tp=tp)
+        for record in records:
+            assert record["k_idx_weight"] == expected, f"TP={tp}"
+            _compare(reference, record)
+        assert _selected_rows(records) == _selected_rows([reference])

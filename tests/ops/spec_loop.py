@@ -40,7 +40,8 @@ def spec_select(
                 for b in range(own + 1):
                     best = -math.inf
                     for u in range(b * block_size, min((b + 1) * block_size, p + 1)):
-                        z = scale * float(torch.dot(q_idx[start + p, i], k_idx[start + u, key_head]))
+                        dot = torch.dot(q_idx[start + p, i], k_idx[start + u, key_head])
+                        z = scale * float(dot)
                         best = max(best, z)
                     block_score[b] = best
                 forced = [b for b in range(own + 1) if b > own - local_blocks or b < init_blocks]

@@ -24,7 +24,7 @@ from tests.conftest import (
 )
 from tests.ops.spec_loop import spec_select
 
-DTYPES = [torch.float64, torch.float32, torch.bfloat16]
+DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 NAMES = ("q", "k", "v", "q_idx", "k_idx")
 KL_COEFF = 3.0  # weight of the KL in the test loss, so both gradient paths are exercised
 
@@ -115,7 +115,8 @@ def test_sparse_matches_reference(name, dtype, seed):
         _, lse_ref = ref.attention_core_reference(x["q"], x["k"], x["v"], sel, q_pos, q_kbase,
                                                   block_size=case.block_size)
     assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
-    assert_close(lse, lse_ref, max(TOLERANCES[dtype], 1e-6) if dtype != torch.float64 else 1e-12, "lse")
+    lse_tol = 1e-12 if dtype == torch.float64 else max(TOLERANCES[dtype], 1e-6)
+    assert_close(lse, lse_ref, lse_tol, "lse")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -158,7 +159,8 @@ def test_packing_invariance(mode, seed):
     opts = dict(block_size=16, top_k=3, init_blocks=1)
     heads = dict(heads=8, kv_heads=2, index_heads=4, index_key_heads=2)
     target = make_inputs((53,), dtype=torch.float64, seed=seed, **heads)
-    fillers = [make_inputs((n,), dtype=torch.float64, seed=seed + n, **heads) for n in (17, 40, 0, 9)]
+    fillers = [make_inputs((n,), dtype=torch.float64, seed=seed + n, **heads)
+               for n in (17, 40, 0, 9)]
 
     def run(parts):
         x = {n: torch.cat([p[n].detach() for p in parts]).requires_grad_() for n in NAMES}
@@ -172,7 +174,9 @@ def test_packing_invariance(mode, seed):
         return sel, out, [x[n].grad * (T * Hi if n.endswith("idx") else 1) for n in NAMES], kl_sum
 
     alone = run([target])
-    for parts, start in (([fillers[0], target, fillers[1]], 17), ([fillers[2], fillers[3], fillers[1], target], 49)):
+    packs = (([fillers[0], target, fillers[1]], 17),
+             ([fillers[2], fillers[3], fillers[1], target], 49))
+    for parts, start in packs:
         sel, out, grads, kl_sum = run(parts)
         rows = slice(start, start + 53)
         assert torch.equal(sel[rows], alone[0])
@@ -304,8 +308,11 @@ def test_backward_is_deterministic(mode, seed, monkeypatch):
     monkeypatch.setattr(torch_backend, "CHUNK_ELEMENTS", 4096)
     x = make_inputs((150, 90), heads=8, kv_heads=2, index_heads=4, dtype=torch.float32, seed=seed)
     cot = _cotangent(x, seed)
-    fn = lambda *t: msa_attention(*t, x["cu_seqlens"], block_size=16, top_k=3, mode=mode,  # noqa: E731
-                                  backend="torch")
+
+    def fn(*t):
+        return msa_attention(*t, x["cu_seqlens"], block_size=16, top_k=3, mode=mode,
+                             backend="torch")
+
     first, second = _run(fn, x, cot), _run(fn, x, cot)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
@@ -387,3 +394,26 @@ def test_general_layout_matches_reference(rank, mode, seed):
                           results[0][1:], results[1][1:]):
         # the reference backend returns kl and lse in float32
         assert_close(a, b, 1e-6 if name in ("kl", "lse") else 1e-10, name)
+
+
+def test_empty_support_row_gives_zero_output_and_no_nan(seed):
+    """A malformed selection (a row of -1, which ``select`` never returns) masks the whole row:
+    output 0, LSE -inf, finite gradients and KL; other rows unchanged."""
+    x = make_inputs((40,), heads=4, kv_heads=2, index_heads=2, dtype=torch.float32, seed=seed)
+    q_pos, q_kbase = query_layout(None, 40, x["q"].device)
+    block_idx = torch_backend.select(x["q_idx"], x["k_idx"], q_pos, q_kbase, block_size=16,
+                                     top_k=2)
+    broken = block_idx.clone()
+    broken[30, 1] = -1
+    results = []
+    for sel in (block_idx, broken):
+        out, lse = torch_backend.attention(x["q"], x["k"], x["v"], sel, q_pos, q_kbase,
+                                           block_size=16)
+        kl = torch_backend.kl(x["q"].detach(), x["k"].detach(), lse, x["q_idx"], x["k_idx"], sel,
+                              q_pos, q_kbase, block_size=16)
+        grads = torch.autograd.grad(out.sum() + kl, [x[n] for n in NAMES])
+        results.append((out, lse, kl, grads))
+    out, lse, kl, grads = results[1]
+    assert (out[30, 2:] == 0).all() and (lse[30, 2:] == float("-inf")).all()
+    assert torch.isfinite(kl) and all(torch.isfinite(g).all() for g in grads)
+    assert torch.equal(out[:30], results[0][0][:30]) and torch.equal(lse[31:], results[0][1][31:])

@@ -223,6 +223,36 @@ def test_backward_is_deterministic(dense):
         assert torch.equal(a, b)
 
 
+def test_chunks_and_key_subtiles_match_reference(monkeypatch):
+    """Queries split in many chunks and blocks split in key sub-tiles give the same results."""
+    from msa_megatron.ops.triton import backward, forward, kl_loss
+
+    for module in (forward, backward, kl_loss):
+        monkeypatch.setattr(module, "PARTIAL_BYTES", 4096)
+    for module in (backward, kl_loss):
+        monkeypatch.setattr(module, "KEY_SUBTILE", 16)
+    q, k, v, q_pos, q_kbase = _attention_inputs([45, 0, 30], 4, 2, 2, 16, torch.float32, False)
+    q_idx = _randn(q.shape[0], 2, 16, dtype=torch.float32).requires_grad_()
+    k_idx = _randn(k.shape[0], 1, 16, dtype=torch.float32).requires_grad_()
+    block_idx = _random_selection(q.shape[0], 2, 2, q_pos, 32)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    backend = _triton()
+    out, lse = backend.attention(q, k, v, block_idx, q_pos, q_kbase, block_size=32)
+    kl = backend.kl(q, k, lse, q_idx, k_idx, block_idx, q_pos, q_kbase, block_size=32)
+    dout = _randn(*out.shape, dtype=torch.float32)
+    grads = torch.autograd.grad((out, kl), (q, k, v, q_idx, k_idx), (dout, torch.ones_like(kl)))
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v, q_idx, k_idx)]
+    want, _ = ref.attention_core_reference(*leaves[:3], block_idx, q_pos, q_kbase, block_size=32)
+    want_kl = ref.kl_core_reference(leaves[0], leaves[1], leaves[3], leaves[4], block_idx, q_pos,
+                                    q_kbase, block_size=32)
+    want_grads = torch.autograd.grad((want, want_kl), leaves, (dout.double(),
+                                                               torch.ones_like(want_kl)))
+    assert _rel(out, want) < TOL[torch.float32]
+    assert abs(kl.item() - want_kl.item()) <= 1e-4 * abs(want_kl.item())
+    for name, got, exp in zip(("q", "k", "v", "q_idx", "k_idx"), grads, want_grads):
+        assert _rel(got, exp) < 2 * TOL[torch.float32], name
+
+
 # ---------------------------------------------------------------- KL
 KL_CASES = [
     # lens, Hq, Hkv, Hi, Hik, D, Di, block, top_k, dtype

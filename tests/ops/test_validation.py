@@ -35,7 +35,7 @@ def no_compute(monkeypatch):
 
 
 def _valid() -> Dict[str, object]:
-    """Valid arguments (for every backend): lengths 20 + 12, Hq 4, Hkv 2, Hi 2, Hik 1, D = Di = 16."""
+    """Valid arguments for every backend: lengths 20 + 12, Hq 4, Hkv 2, Hi 2, Hik 1, D = Di 16."""
     x = make_inputs((20, 12), heads=4, kv_heads=2, index_heads=2, index_key_heads=1,
                     head_dim=16, index_head_dim=16, requires_grad=False, seed=0)
     return dict(x, block_size=16, top_k=2)
@@ -65,16 +65,22 @@ BAD = {
     "unsupported_dtype": Bad(_set(**{n: (lambda n: lambda a: a[n].to(torch.int8))(n) for n in
                                      ("q", "k", "v", "q_idx", "k_idx")}),
                              TypeError, r"(q|q_idx) has unsupported dtype"),
-    "device_mismatch": Bad(_set(k_idx=lambda a: a["k_idx"].to("meta")), ValueError, r"k_idx is on meta"),
-    "device_mismatch_main": Bad(_set(k=lambda a: a["k"].to("meta")), ValueError, r"k is on meta", False),
-    "not_a_tensor": Bad(_set(q_idx=lambda a: a["q_idx"].tolist()), TypeError, r"q_idx must be a torch.Tensor"),
-    "wrong_ndim": Bad(_set(q_idx=lambda a: a["q_idx"][:, 0]), ValueError, r"q_idx must have 3 dims"),
-    "wrong_ndim_main": Bad(_set(q=lambda a: a["q"][:, 0]), ValueError, r"q must have 3 dims", False),
+    "device_mismatch": Bad(_set(k_idx=lambda a: a["k_idx"].to("meta")), ValueError,
+                           r"k_idx is on meta"),
+    "device_mismatch_main": Bad(_set(k=lambda a: a["k"].to("meta")), ValueError,
+                                r"k is on meta", False),
+    "not_a_tensor": Bad(_set(q_idx=lambda a: a["q_idx"].tolist()), TypeError,
+                        r"q_idx must be a torch.Tensor"),
+    "wrong_ndim": Bad(_set(q_idx=lambda a: a["q_idx"][:, 0]), ValueError,
+                      r"q_idx must have 3 dims"),
+    "wrong_ndim_main": Bad(_set(q=lambda a: a["q"][:, 0]), ValueError, r"q must have 3 dims",
+                           False),
     # head counts
     "Hq_not_multiple_of_Hkv": Bad(_set(q=_tensor(32, 3, 16)), ValueError, r"Hq=3 .*Hkv=2", False),
     "Hq_not_multiple_of_Hi": Bad(_set(q=_tensor(32, 6, 16), q_idx=_tensor(32, 4, 16)),
                                  ValueError, r"Hq=6 .*Hi=4", False),
-    "Hi_not_multiple_of_Hkv": Bad(_set(q_idx=_tensor(32, 1, 16)), ValueError, r"Hi=1 .*Hkv=2", False),
+    "Hi_not_multiple_of_Hkv": Bad(_set(q_idx=_tensor(32, 1, 16)), ValueError, r"Hi=1 .*Hkv=2",
+                                  False),
     "Hi_not_multiple_of_Hik": Bad(_set(k_idx=_tensor(32, 3, 16)), ValueError, r"Hi=2 .*Hik=3"),
     # head dims
     "k_head_dim": Bad(_set(k=_tensor(32, 2, 8), v=_tensor(32, 2, 8)), ValueError,
@@ -99,8 +105,10 @@ BAD = {
     "index_scale_nan": Bad(_set(index_scale=math.nan), ValueError, r"index_scale"),
     "index_scale_not_number": Bad(_set(index_scale="0.1"), TypeError, r"index_scale"),
     # cu_seqlens
-    "cu_seqlens_int64": Bad(_set(cu_seqlens=torch.tensor([0, 20, 32])), TypeError, r"cu_seqlens must be int32"),
-    "cu_seqlens_list": Bad(_set(cu_seqlens=[0, 20, 32]), TypeError, r"cu_seqlens must be a torch.Tensor"),
+    "cu_seqlens_int64": Bad(_set(cu_seqlens=torch.tensor([0, 20, 32])), TypeError,
+                            r"cu_seqlens must be int32"),
+    "cu_seqlens_list": Bad(_set(cu_seqlens=[0, 20, 32]), TypeError,
+                           r"cu_seqlens must be a torch.Tensor"),
     "cu_seqlens_2d": Bad(_set(cu_seqlens=torch.tensor([[0, 20, 32]], dtype=torch.int32)),
                          ValueError, r"cu_seqlens must be 1-D"),
     "cu_seqlens_decreasing": Bad(_set(cu_seqlens=torch.tensor([0, 20, 10, 32], dtype=torch.int32)),
@@ -168,7 +176,8 @@ TRITON_LIMITS = {
     "float64": (dict(dtype=torch.float64), {}, TypeError, r"backend='triton' supports dtypes"),
     "head_dim_24": (dict(head_dim=24), {}, ValueError, r"backend='triton' supports D"),
     "index_head_dim_40": (dict(index_head_dim=40), {}, ValueError, r"backend='triton' supports Di"),
-    "block_size_256": ({}, dict(block_size=256), ValueError, r"backend='triton' supports block_size"),
+    "block_size_256": ({}, dict(block_size=256), ValueError,
+                       r"backend='triton' supports block_size"),
 }
 
 
@@ -192,7 +201,8 @@ BAD_CONFIGS = {
     "local_blocks_zero": (dict(local_blocks=0), ValueError, r"local_blocks"),
     "init_blocks_negative": (dict(init_blocks=-1), ValueError, r"init_blocks"),
     "index_key_heads_zero": (dict(index_key_heads=0), ValueError, r"index_key_heads"),
-    "index_heads_not_multiple": (dict(index_heads=3, index_key_heads=2), ValueError, r"index_heads"),
+    "index_heads_not_multiple": (dict(index_heads=3, index_key_heads=2), ValueError,
+                                 r"index_heads"),
     "index_heads_not_int": (dict(index_heads="4"), TypeError, r"index_heads"),
     "index_head_dim_zero": (dict(index_head_dim=0), ValueError, r"index_head_dim"),
     "softmax_scale_zero": (dict(softmax_scale=0.0), ValueError, r"softmax_scale"),
@@ -215,4 +225,5 @@ def test_config_defaults_are_the_paper_defaults():
     cfg = MSAConfig()
     assert (cfg.block_size, cfg.top_k, cfg.init_blocks, cfg.local_blocks) == (128, 16, 0, 1)
     assert (cfg.index_key_heads, cfg.index_head_dim, cfg.mode) == (1, 128, "sparse")
-    assert cfg.resolved_index_heads(4) == 4 and MSAConfig(index_heads=8).resolved_index_heads(4) == 8
+    assert cfg.resolved_index_heads(4) == 4
+    assert MSAConfig(index_heads=8).resolved_index_heads(4) == 8

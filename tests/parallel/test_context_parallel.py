@@ -26,6 +26,7 @@ from msa_megatron.parallel.cp_layout import (
     sbhd_cu_seqlens,
     split_for_cp_rank,
 )
+from msa_megatron.parallel.tensor import kl_of_rows, real_token_rows
 from tests.dist_utils import run_distributed, selected_device
 from tests.parallel.cp_test_utils import skip_without_gpus
 
@@ -259,6 +260,7 @@ CASES = [
     for exchange in ("allgather", "selective")
 ] + [
     dict(layout="thd", exchange="selective", mode="sparse", seed=40, padded=True),
+    dict(layout="thd", exchange="allgather", mode="dense", seed=41, padded=True),
 ]
 
 
@@ -281,9 +283,7 @@ def _check_all(cases, ranks_by_case, tp_size, cp_size, heads):
     ids=["cp2-reference", "cp2-torch", "cp4-torch", "tp2xcp2-torch", "tp2xcp2-shared-torch"])
 def test_context_parallel_matches_single_process(world_size, tp_size, backend, heads):
     skip_without_gpus(world_size)
-    shared = heads["hi"] < tp_size
-    # Padded THD with shared index heads raises NotImplementedError.
-    cases = [c for c in CASES if not (shared and c.get("padded"))]
+    cases = CASES
     results = run_distributed(_worker, world_size, args=(cases, tp_size, backend, heads))
     for rank in range(world_size):
         assert all(results[rank][0].values()), f"bad inputs not rejected: {results[rank][0]}"
@@ -312,3 +312,34 @@ def test_layout_rank_rows_partition_the_batch():
         rows = torch.cat([build_cp_layout(cu, cp, r, 16, torch.device("cpu")).local_rows
                           for r in range(cp)])
         assert torch.equal(torch.sort(rows).values, torch.arange(int(cu[-1])))
+
+
+def test_real_token_rows():
+    """Padding trails each sequence; zero-length sequences sharing a start row are skipped."""
+    padded, real = _cu([8, 0, 4, 8]), _cu([5, 0, 4, 1])
+    q_pos, q_kbase = query_layout(padded, 20, torch.device("cpu"))
+    rows = real_token_rows(padded, real, q_pos, q_kbase)
+    assert rows.tolist() == [0, 1, 2, 3, 4, 8, 9, 10, 11, 12]
+    assert real_token_rows(padded, padded, q_pos, q_kbase) is None
+    assert real_token_rows(padded, None, q_pos, q_kbase) is None
+    with pytest.raises(ValueError, match="no larger"):
+        real_token_rows(padded, _cu([9, 0, 4, 7]), q_pos, q_kbase)
+    with pytest.raises(TypeError, match="int32"):
+        real_token_rows(padded, real.to(torch.int64), q_pos, q_kbase)
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_kl_of_no_rows_is_zero(backend):
+    """A rank or token slice holding only padding adds an exact zero KL with zero gradients."""
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(6, 2, 8, generator=gen), torch.randn(6, 1, 8, generator=gen)
+    q_idx = torch.randn(6, 1, 8, generator=gen, requires_grad=True)
+    k_idx = torch.randn(6, 1, 8, generator=gen, requires_grad=True)
+    q_pos, q_kbase = query_layout(_cu([6]), 6, torch.device("cpu"))
+    kl = kl_of_rows(get_backend(backend), torch.zeros(0, dtype=torch.int64), q,
+                    k, torch.zeros(6, 2), q_idx, k_idx, None, q_pos, q_kbase, block_size=16,
+                    softmax_scale=None, index_scale=None, kl_scale=1.0)
+    kl.backward()
+    assert kl.dtype == torch.float32 and kl.item() == 0.0
+    assert torch.equal(q_idx.grad, torch.zeros_like(q_idx))
+    assert torch.equal(k_idx.grad, torch.zeros_like(k_idx))

@@ -1,9 +1,11 @@
 """A megatron-core GPTModel with MSA layers trains under context parallelism exactly like CP=1.
 
-CP=2, CP=4 and TP=2 x CP=2 on gloo, several SGD steps alternating SBHD / THD batches and the two
-K/V exchange modes: LM losses, KL metrics and every parameter gradient equal the single-rank run
-(MSA_SPEC section 6). Batches are split with megatron-core's load-balanced layout; gradients
-are summed over the CP group, as megatron's DP x CP gradient all-reduce does.
+CP=2, CP=4, TP=2 x CP=2 and TP=2 x CP=2 with one KV group (the two TP ranks share the index
+head) on gloo, several SGD steps alternating SBHD / padded THD batches and the two K/V exchange
+modes: LM losses, KL metrics and every parameter gradient equal the single-rank run (MSA_SPEC
+section 6). Batches are split with megatron-core's load-balanced layout; gradients are summed
+over the CP group, as megatron's DP x CP gradient all-reduce does. The CP bytes reported by
+``get_msa_metrics`` equal the per-rank counters (and the closed forms of ``allgather``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from msa_megatron.parallel.context import cp_bytes_moved
+from msa_megatron.parallel.context import cp_bytes_received
 from msa_megatron.parallel.cp_layout import split_for_cp_rank
 from tests.dist_utils import run_distributed, selected_device
 from tests.megatron.gpt_harness import BATCH, LR, SEQ, VOCAB, Setup, full_grads, sum_qk_norm_grads
@@ -20,9 +22,11 @@ from tests.parallel.cp_test_utils import skip_without_gpus
 
 pytestmark = pytest.mark.slow
 
-# THD documents: lengths multiples of 2*CP = 8 (megatron pads THD sequences for CP), one of
+# THD documents, padded to multiples of 2*CP = 8 as megatron pads THD sequences for CP: one of
 # length 0, one shorter than a block, documents crossing chunk boundaries; sums to BATCH * SEQ.
 THD_LENGTHS = [40, 8, 72, 0, 72]
+# Their real lengths (cu_seqlens_q; the padded ones are cu_seqlens_q_padded).
+REAL_LENGTHS = [37, 5, 72, 0, 66]
 # (format, exchange) of each SGD step: both formats in both modes.
 STEPS = [("sbhd", "allgather"), ("thd", "selective"), ("sbhd", "selective"), ("thd", "allgather")]
 LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
@@ -46,7 +50,8 @@ def _build(setup: Setup, tp: int, cp: int):
         num_layers=setup.layers, hidden_size=setup.hidden, num_attention_heads=setup.heads,
         num_query_groups=setup.groups, kv_channels=setup.kv_channels,
         ffn_hidden_size=2 * setup.hidden, tensor_model_parallel_size=tp,
-        context_parallel_size=cp, use_cpu_initialization=True, params_dtype=torch.float32,
+        context_parallel_size=cp, cp_comm_type="p2p", use_cpu_initialization=True,
+        params_dtype=torch.float32,
         attention_dropout=0.0, hidden_dropout=0.0, normalization="RMSNorm",
         qk_layernorm=setup.qk_layernorm, **recompute,
     )
@@ -76,11 +81,12 @@ def _cp_batch(step: int, fmt: str, cp_group):
                                           cp_group=cp_group)
         return local["tokens"].to(device), local["position_ids"].to(device), None
     cu = torch.tensor([0] + THD_LENGTHS, dtype=torch.int32).cumsum(0).to(torch.int32)
+    real = torch.tensor([0] + REAL_LENGTHS, dtype=torch.int32).cumsum(0).to(torch.int32)
     positions = torch.cat([torch.arange(n) for n in THD_LENGTHS])
     tokens, positions = (split_for_cp_rank(t.reshape(-1), cu, cp_size, cp_rank).reshape(1, -1)
                          for t in (tokens, positions))
-    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu.to(device),
-                             cu_seqlens_kv=cu.to(device), cu_seqlens_q_padded=cu.to(device),
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=real.to(device),
+                             cu_seqlens_kv=real.to(device), cu_seqlens_q_padded=cu.to(device),
                              cu_seqlens_kv_padded=cu.to(device), max_seqlen_q=max(THD_LENGTHS),
                              max_seqlen_kv=max(THD_LENGTHS))
     return tokens.to(device), positions.to(device), packed
@@ -106,7 +112,8 @@ def _install_cp_rope_shim() -> None:
         rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank_cpu
 
 
-def _cp_worker(rank: int, world_size: int, tp: int, cp: int, recompute=None) -> dict:
+def _cp_worker(rank: int, world_size: int, tp: int, cp: int, recompute=None,
+               groups: int = Setup().groups) -> dict:
     from megatron.core import parallel_state
 
     from msa_megatron.megatron import (
@@ -117,19 +124,22 @@ def _cp_worker(rank: int, world_size: int, tp: int, cp: int, recompute=None) -> 
     )
 
     _install_cp_rope_shim()
-    setup = Setup(recompute=recompute)
+    setup = Setup(recompute=recompute, groups=groups)
     model, msa = _build(setup, tp, cp)
     cp_group = parallel_state.get_context_parallel_group()
     get_msa_metrics(reset=True)
-    record = {"loss": [], "kl": [], "grads": [], "bytes": [], "selection_calls": [],
-              "core_calls": []}
+    record = {"loss": [], "kl": [], "grads": [], "bytes": [], "cp_bytes": [],
+              "selection_calls": [], "core_calls": []}
+    cores = [m for m in model.modules() if isinstance(m, MSACoreAttention)]
     core_calls = [0]
     for module in model.modules():
         if isinstance(module, MSACoreAttention):
             module.register_forward_hook(lambda *_: core_calls.__setitem__(0, core_calls[0] + 1))
     n_global = BATCH * SEQ
     for step, (fmt, exchange) in enumerate(STEPS):
-        msa.cp_kv_exchange = exchange  # read by every MSA layer at its next forward
+        # Read by every MSA layer at its next forward; None takes the exchange from
+        # megatron's cp_comm_type "p2p": selective.
+        msa.cp_kv_exchange = None if exchange == "selective" else exchange
         tokens, positions, packed = _cp_batch(step, fmt, cp_group)
         model.zero_grad(set_to_none=True)
         reset_selection_counts()
@@ -143,12 +153,16 @@ def _cp_worker(rank: int, world_size: int, tp: int, cp: int, recompute=None) -> 
         loss = losses.detach().sum()
         dist.all_reduce(loss, group=cp_group)
         record["loss"].append(loss / n_global)
-        record["kl"].append(get_msa_metrics(reset=True))
+        # (forward, backward) bytes this rank received per layer, read before the reset
+        record["bytes"].append([cp_bytes_received(core.cp_stats) if cp > 1 else (0, 0)
+                                for core in cores])
+        metrics = get_msa_metrics(reset=True)
+        record["kl"].append({k: v for k, v in metrics.items() if k.startswith("msa/kl")})
+        record["cp_bytes"].append({k: v for k, v in metrics.items()
+                                   if k.startswith("msa/cp_bytes")})
         record["grads"].append(full_grads(model))
         record["selection_calls"].append(selection_counts()["calls"])
         record["core_calls"].append(core_calls[0])
-        record["bytes"].append([cp_bytes_moved(m.cp_stats) for m in model.modules()
-                                if isinstance(m, MSACoreAttention)])
         with torch.no_grad():
             for param in model.parameters():
                 if param.grad is not None:
@@ -157,18 +171,61 @@ def _cp_worker(rank: int, world_size: int, tp: int, cp: int, recompute=None) -> 
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return run_distributed(_cp_worker, 1, args=(1, 1), tp=1, cp=1)[0]
+def references():
+    """Single-rank records, per number of query groups (computed on first use)."""
+    cache = {}
+
+    def get(groups: int) -> dict:
+        if groups not in cache:
+            cache[groups] = run_distributed(_cp_worker, 1, args=(1, 1, None, groups), tp=1,
+                                            cp=1)[0]
+        return cache[groups]
+
+    return get
 
 
-@pytest.mark.parametrize("tp,cp,recompute", [(1, 2, None), (1, 4, None), (2, 2, None),
-                                             (1, 2, "selective")],
-                         ids=["cp2", "cp4", "tp2xcp2", "cp2-recompute-core-attn"])
-def test_gpt_context_parallel_matches_single_rank(reference, tp, cp, recompute):
+def _check_cp_bytes(records: list, tp: int, cp: int, recompute, groups: int) -> None:
+    """``get_msa_metrics``' CP bytes: the mean over ranks of the per-rank counters; allgather
+    steps move exactly the closed-form bytes (context.py docstring), selective steps no more
+    K/V than allgather."""
+    setup = Setup()
+    element = torch.empty((), dtype=torch.float32).element_size()
+    peers, t_local = cp - 1, BATCH * SEQ // cp
+    kv_heads = max(groups // tp, 1)
+    index_k = peers * t_local * 1 * setup.index_head_dim * element  # Hik = 1, per direction
+    kv_allgather = peers * t_local * 2 * kv_heads * setup.kv_channels * element
+    passes = 2 if recompute else 1  # the recomputation exchanges again in forward
+    for step, (fmt, exchange) in enumerate(STEPS):
+        metrics = records[0]["cp_bytes"][step]
+        assert all(r["cp_bytes"][step] == metrics for r in records)  # reduced over all ranks
+        total = 0.0
+        for layer in range(setup.layers):
+            suffix = f"layer_{layer + 1:02d}"
+            fwd, bwd = metrics[f"msa/cp_bytes_fwd/{suffix}"], metrics[f"msa/cp_bytes_bwd/{suffix}"]
+            per_rank = [r["bytes"][step][layer] for r in records]
+            assert fwd == pytest.approx(sum(f for f, _ in per_rank) / len(records))
+            assert bwd == pytest.approx(sum(b for _, b in per_rank) / len(records))
+            assert metrics[f"msa/cp_bytes/{suffix}"] == pytest.approx(fwd + bwd)
+            if exchange == "allgather":
+                assert fwd == passes * (index_k + kv_allgather), f"step {step} {suffix}"
+                assert bwd == index_k + kv_allgather, f"step {step} {suffix}"
+            else:
+                assert passes * index_k < fwd and index_k < bwd <= index_k + kv_allgather
+            total += fwd + bwd
+        assert metrics["msa/cp_bytes"] == pytest.approx(total)
+
+
+@pytest.mark.parametrize("tp,cp,recompute,groups", [
+    (1, 2, None, 2), (1, 4, None, 2), (2, 2, None, 2), (2, 2, None, 1), (1, 2, "selective", 2)],
+    ids=["cp2", "cp4", "tp2xcp2", "tp2xcp2-shared-index-head", "cp2-recompute-core-attn"])
+def test_gpt_context_parallel_matches_single_rank(references, tp, cp, recompute, groups):
     """Under selective core_attn recomputation the kept selection is reused: one selection per
-    layer and step, never a second one in the recomputation."""
+    layer and step, never a second one in the recomputation. With one KV group at TP=2 both TP
+    ranks hold the one index head (TP > Hkv) and split its selection."""
     skip_without_gpus(tp * cp)
-    records = run_distributed(_cp_worker, tp * cp, args=(tp, cp, recompute), tp=tp, cp=cp)
+    reference = references(groups)
+    records = run_distributed(_cp_worker, tp * cp, args=(tp, cp, recompute, groups), tp=tp,
+                              cp=cp)
     for rank, record in enumerate(records):
         for step, (fmt, exchange) in enumerate(STEPS):
             where = f"rank {rank} step {step} ({fmt}, {exchange})"
@@ -189,7 +246,8 @@ def test_gpt_context_parallel_matches_single_rank(reference, tp, cp, recompute):
         assert record["selection_calls"] == [Setup().layers] * len(STEPS)
         runs_per_step = 2 if recompute else 1  # the core attention ran again in backward
         assert record["core_calls"] == [runs_per_step * Setup().layers] * len(STEPS)
+    assert all(not metrics for metrics in reference["cp_bytes"])  # no CP, no CP bytes
+    _check_cp_bytes(records, tp, cp, recompute, groups)
     for step, (fmt, exchange) in enumerate(STEPS):
-        print(f"TP={tp} CP={cp} step {step} {fmt} {exchange}: bytes received per layer, rank 0: "
-              f"{records[0]['bytes'][step]}")
-        assert all(b > 0 for b in records[0]["bytes"][step])
+        print(f"TP={tp} CP={cp} step {step} {fmt} {exchange}: CP bytes received per rank "
+              f"(fwd, bwd) per layer: {records[0]['cp_bytes'][step]}")

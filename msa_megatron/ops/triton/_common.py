@@ -17,8 +17,17 @@ import triton.language as tl
 MIN_DOT_ROWS = 16
 # Rows (token x head pairs) packed into one tile by the kernels that gather queries.
 GATHER_ROWS = 64
+# Rows of one query tile of the dense (warmup) kernels: more tokens share each K/V tile load.
+DENSE_ROWS = 128
 # Key-tile width of the dense (warmup) kernels.
 DENSE_KEY_TILE = 64
+# Key rows per program of the key-outer (gradient) kernels: a selected block is split in
+# sub-tiles of this many rows so two [rows, D] fp32 accumulators stay in registers.
+KEY_SUBTILE = 64
+# Bytes of per-(pair, head) partial results one chunk of queries may hold; larger selections are
+# processed in chunks of query tokens (BENCHMARK.md: a partial per (token, head, block) for all
+# 128K tokens would be 32 GiB).
+PARTIAL_BYTES = 1 << 30
 # Programs per multiprocessor of the persistent key-block-outer kernels.
 PROGRAMS_PER_SM = 4
 # Programs of a persistent kernel under the interpreter (runs them one after the other).
@@ -28,6 +37,12 @@ INTERPRETER_PROGRAMS = 4
 def interpreting() -> bool:
     """True when Triton runs its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def query_chunks(num_queries: int, bytes_per_query: int, budget: int) -> list:
+    """``[(start, stop), ...]`` cutting the queries so one chunk's partials fit ``budget``."""
+    size = max(1, budget // max(1, bytes_per_query))
+    return [(c, min(c + size, num_queries)) for c in range(0, num_queries, size)]
 
 
 def next_pow2(n: int) -> int:

@@ -1,11 +1,16 @@
-"""Main-branch backward: dQ query-outer, dK/dV key-block-outer, no atomics (deterministic).
+"""Main-branch backward, deterministic (no atomics).
 
-- dQ: the forward's query-outer walk; it also writes ``delta = rowsum(dO * O)`` (fp32).
-- dK/dV, sparse: one work item per (KV group, selected key block) from the reverse index
-  (:mod:`.reverse_index`); the item gathers the (token, head) rows that selected the block into
-  tiles of token x head rows, and owns its key rows, so dK/dV are written once, in a fixed order.
-  A persistent grid walks the items.
-- dK/dV, dense: one program per (key tile, KV group) over the query tiles that can see it.
+``delta = rowsum(dO * O)`` first (:func:`_delta_kernel`).
+
+Sparse mode, key-block-outer like the forward: per chunk of queries, one work item per (KV
+group, selected block, sub-tile of ``KEY_SUBTILE`` key rows) recomputes ``P`` for the
+(token, head) rows that selected the block, adds ``P^T dO`` and ``dS^T Q`` to fp32 dK/dV
+accumulators of its own key rows, and writes the rows' partial ``dQ = dS K`` for that sub-tile;
+partials are summed per row in slot order afterwards.
+
+Dense mode: dQ query-outer (one program per tokens x heads of an index head, walking key
+tiles), dK/dV key-tile-outer over the query tiles that can see the tile
+(:func:`.reverse_index.query_tile_ranges`).
 """
 
 from __future__ import annotations
@@ -15,34 +20,33 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    DENSE_KEY_TILE, dot_flags, mma, persistent_programs, support_mask,
+    DENSE_KEY_TILE, GATHER_ROWS, KEY_SUBTILE, PARTIAL_BYTES, dot_flags, mma,
+    persistent_programs, query_chunks, support_mask,
 )
-from .forward import query_rows, query_tiling, warps_for
+from .forward import combine_rows, pair_rows, query_rows, query_tiling, warps_for
 from .reverse_index import build_reverse_index, query_tile_ranges
 
+# Rows of one tile of the delta kernel.
+_DELTA_ROWS = 64
+
 
 @triton.jit
-def _dq_step(q, do, lse, delta, dq, k_ptr, v_ptr, krow, kmask, inside, g, s_kt, s_kh, scale,
-             D: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+def _delta_kernel(o_ptr, do_ptr, delta_ptr, rows, D: tl.constexpr, ROWS: tl.constexpr):
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     d = tl.arange(0, D)
-    off = krow.to(tl.int64)[:, None] * s_kt + g * s_kh + d[None, :]
-    kt = tl.load(k_ptr + off, mask=kmask[:, None], other=0.0)
-    vt = tl.load(v_ptr + off, mask=kmask[:, None], other=0.0)
-    s = mma(q, tl.trans(kt), UPCAST, IEEE) * scale
-    p = tl.where(inside, tl.exp(s - lse[:, None]), 0.0)
-    dp = mma(do, tl.trans(vt), UPCAST, IEEE)
-    ds = p * (dp - delta[:, None])
-    return dq + mma(ds.to(kt.dtype), kt, UPCAST, IEEE)
+    off = r.to(tl.int64)[:, None] * D + d[None, :]
+    o = tl.load(o_ptr + off, mask=(r < rows)[:, None], other=0.0).to(tl.float32)
+    do = tl.load(do_ptr + off, mask=(r < rows)[:, None], other=0.0).to(tl.float32)
+    tl.store(delta_ptr + r, tl.sum(o * do, axis=1), mask=r < rows)
 
 
 @triton.jit
-def _attn_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, bidx_ptr, qpos_ptr, qkb_ptr, dq_ptr,
+def _attn_bwd_dq_dense_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, qkb_ptr, dq_ptr,
     Tq, Tk, scale,
-    s_qt, s_qh, s_kt, s_kh, s_bt, s_bh, s_lt,
+    s_qt, s_qh, s_kt, s_kh, s_lt,
     HPI: tl.constexpr, HR: tl.constexpr, TOK: tl.constexpr, IPG: tl.constexpr,
-    D: tl.constexpr, BN: tl.constexpr, TOPK: tl.constexpr, SPARSE: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    D: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     i = tl.program_id(1)
@@ -52,31 +56,23 @@ def _attn_bwd_dq_kernel(
     q_off = t.to(tl.int64)[:, None] * s_qt + h[:, None] * s_qh + d[None, :]
     q = tl.load(q_ptr + q_off, mask=valid[:, None], other=0.0)
     do = tl.load(do_ptr + q_off, mask=valid[:, None], other=0.0)
-    o = tl.load(o_ptr + q_off, mask=valid[:, None], other=0.0)
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
     l_off = t.to(tl.int64) * s_lt + h
-    tl.store(delta_ptr + l_off, delta, mask=valid)
     lse = tl.load(lse_ptr + l_off, mask=valid, other=float("inf"))
+    delta = tl.load(delta_ptr + l_off, mask=valid, other=0.0)
     dq = tl.zeros([TOK * HR, D], tl.float32)
     c = tl.arange(0, BN)
-    if SPARSE:
-        pos0 = tl.load(qpos_ptr + tile)
-        kb0 = tl.load(qkb_ptr + tile)
-        for s in range(TOPK):
-            blk = tl.load(bidx_ptr + tile.to(tl.int64) * s_bt + i * s_bh + s)
-            u = blk * BN + c
-            kmask = (u >= 0) & (u <= pos0)
-            dq = _dq_step(q, do, lse, delta, dq, k_ptr, v_ptr, kb0 + u, kmask, kmask[None, :],
-                          g, s_kt, s_kh, scale, D, UPCAST, IEEE)
-    else:
-        k_lo = tl.min(tl.where(valid, kbase, Tk))
-        k_hi = tl.max(tl.where(valid, kbase + pos, -1))
-        for k0 in range(k_lo, k_hi + 1, BN):
-            krow = k0 + c
-            kmask = krow <= k_hi
-            inside = support_mask(krow, kmask, kbase, pos, valid)
-            dq = _dq_step(q, do, lse, delta, dq, k_ptr, v_ptr, krow, kmask, inside,
-                          g, s_kt, s_kh, scale, D, UPCAST, IEEE)
+    k_lo = tl.min(tl.where(valid, kbase, Tk))
+    k_hi = tl.max(tl.where(valid, kbase + pos, -1))
+    for k0 in range(k_lo, k_hi + 1, BN):
+        krow = k0 + c
+        kmask = krow <= k_hi
+        off = krow.to(tl.int64)[:, None] * s_kt + g * s_kh + d[None, :]
+        kt = tl.load(k_ptr + off, mask=kmask[:, None], other=0.0)
+        vt = tl.load(v_ptr + off, mask=kmask[:, None], other=0.0)
+        s = mma(q, tl.trans(kt), UPCAST, IEEE) * scale
+        p = tl.where(support_mask(krow, kmask, kbase, pos, valid), tl.exp(s - lse[:, None]), 0.0)
+        ds = p * (mma(do, tl.trans(vt), UPCAST, IEEE) - delta[:, None])
+        dq += mma(ds.to(kt.dtype), kt, UPCAST, IEEE)
     tl.store(dq_ptr + q_off, (dq * scale).to(dq_ptr.dtype.element_ty), mask=valid[:, None])
 
 
@@ -84,7 +80,8 @@ def _attn_bwd_dq_kernel(
 def _kv_rows_step(dk, dv, kt, vt, krow, kmask, t, h, valid, q_ptr, do_ptr, lse_ptr, delta_ptr,
                   qpos_ptr, qkb_ptr, s_qt, s_qh, s_lt, scale,
                   D: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """Add the gradient of one tile of gathered query rows to a key block's dK, dV."""
+    """One tile of (token, head) rows against key rows ``krow``: adds to dK, dV; returns the
+    rows' ``dS`` (fp32, softmax scale not applied), the highest key row they reach."""
     pos = tl.load(qpos_ptr + t, mask=valid, other=-1)
     kbase = tl.load(qkb_ptr + t, mask=valid, other=0)
     d = tl.arange(0, D)
@@ -94,79 +91,104 @@ def _kv_rows_step(dk, dv, kt, vt, krow, kmask, t, h, valid, q_ptr, do_ptr, lse_p
     l_off = t.to(tl.int64) * s_lt + h
     lse = tl.load(lse_ptr + l_off, mask=valid, other=float("inf"))
     delta = tl.load(delta_ptr + l_off, mask=valid, other=0.0)
-    inside = support_mask(krow, kmask, kbase, pos, valid)
     s = mma(q, tl.trans(kt), UPCAST, IEEE) * scale
-    p = tl.where(inside, tl.exp(s - lse[:, None]), 0.0)
+    p = tl.where(support_mask(krow, kmask, kbase, pos, valid), tl.exp(s - lse[:, None]), 0.0)
     dv += mma(tl.trans(p.to(do.dtype)), do, UPCAST, IEEE)
-    dp = mma(do, tl.trans(vt), UPCAST, IEEE)
-    ds = p * (dp - delta[:, None])
+    ds = p * (mma(do, tl.trans(vt), UPCAST, IEEE) - delta[:, None])
     dk += mma(tl.trans(ds.to(q.dtype)), q, UPCAST, IEEE)
-    return dk, dv, tl.max(tl.where(valid, kbase + pos, -1))
+    return dk, dv, ds, tl.max(tl.where(valid, kbase + pos, -1))
 
 
 @triton.jit
-def _attn_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, qkb_ptr, dk_ptr, dv_ptr,
-    key_ptr, pair_t_ptr, pair_i_ptr, item_lo_ptr, n_items_ptr, qt_lo_ptr, qt_hi_ptr,
-    Tq, Tk, scale,
+def _attn_bwd_blocks_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, qkb_ptr, dk_ptr, dv_ptr, pdq_ptr,
+    key_ptr, pair_ptr, item_lo_ptr, n_items_ptr,
+    t0, Tk, scale,
     s_qt, s_qh, s_kt, s_kh, s_lt,
-    HPI: tl.constexpr, HR: tl.constexpr, TOK: tl.constexpr, IPG: tl.constexpr,
-    D: tl.constexpr, BN: tl.constexpr, SPARSE: tl.constexpr,
+    HI: tl.constexpr, TOPK: tl.constexpr, HPI: tl.constexpr, HR: tl.constexpr,
+    TOK: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
-    r = tl.arange(0, TOK * HR)
-    hl = r % HR
-    c = tl.arange(0, BN)
+    """Sparse dK/dV (added to fp32 ``dk``/``dv`` [Tk, Hkv, D]) and partial dQ rows
+    ``(flat * NSUB + sub) * HPI + hl`` of ``pdq``; persistent over (item, key sub-tile)."""
+    NSUB: tl.constexpr = BN // KS
+    c = tl.arange(0, KS)
     d = tl.arange(0, D)
-    if SPARSE:
-        n_items = tl.load(n_items_ptr)
-        for w in range(tl.program_id(0), n_items, tl.num_programs(0)):
-            lo = tl.load(item_lo_ptr + w)
-            hi = tl.load(item_lo_ptr + w + 1)
-            gk = tl.load(key_ptr + lo)
-            g = gk // Tk
-            krow = gk % Tk + c
-            kmask = krow < Tk
-            off = krow.to(tl.int64)[:, None] * s_kt + g * s_kh + d[None, :]
-            kt = tl.load(k_ptr + off, mask=kmask[:, None], other=0.0)
-            vt = tl.load(v_ptr + off, mask=kmask[:, None], other=0.0)
-            dk = tl.zeros([BN, D], tl.float32)
-            dv = tl.zeros([BN, D], tl.float32)
-            reach = -1
-            for p0 in range(lo, hi, TOK):
-                pr = p0 + r // HR
-                on = pr < hi
-                t = tl.load(pair_t_ptr + pr, mask=on, other=0)
-                i = tl.load(pair_i_ptr + pr, mask=on, other=0)
-                dk, dv, rr = _kv_rows_step(dk, dv, kt, vt, krow, kmask, t, i * HPI + hl,
-                                           on & (hl < HPI), q_ptr, do_ptr, lse_ptr, delta_ptr,
-                                           qpos_ptr, qkb_ptr, s_qt, s_qh, s_lt, scale,
-                                           D, UPCAST, IEEE)
-                reach = tl.maximum(reach, rr)
-            out = kmask & (krow <= reach)  # rows past the sequence belong to other items
-            tl.store(dk_ptr + off, (dk * scale).to(dk_ptr.dtype.element_ty), mask=out[:, None])
-            tl.store(dv_ptr + off, dv.to(dv_ptr.dtype.element_ty), mask=out[:, None])
-    else:
-        n = tl.program_id(0)
-        g = tl.program_id(1)
-        krow = n * BN + c
+    for w in range(tl.program_id(0), tl.load(n_items_ptr) * NSUB, tl.num_programs(0)):
+        lo = tl.load(item_lo_ptr + w // NSUB)
+        hi = tl.load(item_lo_ptr + w // NSUB + 1)
+        gk = tl.load(key_ptr + lo)
+        g = gk // Tk
+        krow = gk % Tk + (w % NSUB) * KS + c
         kmask = krow < Tk
         off = krow.to(tl.int64)[:, None] * s_kt + g * s_kh + d[None, :]
         kt = tl.load(k_ptr + off, mask=kmask[:, None], other=0.0)
         vt = tl.load(v_ptr + off, mask=kmask[:, None], other=0.0)
-        dk = tl.zeros([BN, D], tl.float32)
-        dv = tl.zeros([BN, D], tl.float32)
-        a_lo = tl.load(qt_lo_ptr + n)
-        a_hi = tl.load(qt_hi_ptr + n)
-        for ii in range(IPG):
-            for a in range(a_lo, a_hi):
-                t = a * TOK + r // HR
-                dk, dv, rr = _kv_rows_step(dk, dv, kt, vt, krow, kmask, t,
-                                           (g * IPG + ii) * HPI + hl, (t < Tq) & (hl < HPI),
+        dk = tl.zeros([KS, D], tl.float32)
+        dv = tl.zeros([KS, D], tl.float32)
+        reach = -1
+        for p0 in range(lo, hi, TOK):
+            flat, t, i, hl, valid = pair_rows(pair_ptr, p0, hi, t0, HI, TOPK, HPI, HR, TOK)
+            dk, dv, ds, rr = _kv_rows_step(dk, dv, kt, vt, krow, kmask, t, i * HPI + hl, valid,
                                            q_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, qkb_ptr,
                                            s_qt, s_qh, s_lt, scale, D, UPCAST, IEEE)
-        tl.store(dk_ptr + off, (dk * scale).to(dk_ptr.dtype.element_ty), mask=kmask[:, None])
-        tl.store(dv_ptr + off, dv.to(dv_ptr.dtype.element_ty), mask=kmask[:, None])
+            reach = tl.maximum(reach, rr)
+            dq = mma(ds.to(kt.dtype), kt, UPCAST, IEEE) * scale
+            prow = (flat.to(tl.int64) * NSUB + w % NSUB) * HPI + hl
+            tl.store(pdq_ptr + prow[:, None] * D + d[None, :], dq.to(pdq_ptr.dtype.element_ty),
+                     mask=valid[:, None])
+        out = (kmask & (krow <= reach))[:, None]  # rows past the sequence belong to others
+        tl.store(dk_ptr + off, tl.load(dk_ptr + off, mask=out, other=0.0) + dk * scale, mask=out)
+        tl.store(dv_ptr + off, tl.load(dv_ptr + off, mask=out, other=0.0) + dv, mask=out)
+
+
+@triton.jit
+def _attn_bwd_dkdv_dense_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, qkb_ptr, dk_ptr, dv_ptr,
+    qt_lo_ptr, qt_hi_ptr,
+    Tq, Tk, scale,
+    s_qt, s_qh, s_kt, s_kh, s_lt,
+    HPI: tl.constexpr, HR: tl.constexpr, TOK: tl.constexpr, IPG: tl.constexpr,
+    D: tl.constexpr, KS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Dense dK/dV: one program per key tile of ``KS`` rows and KV group."""
+    n = tl.program_id(0)
+    g = tl.program_id(1)
+    r = tl.arange(0, TOK * HR)
+    hl = r % HR
+    d = tl.arange(0, D)
+    krow = n * KS + tl.arange(0, KS)
+    kmask = krow < Tk
+    off = krow.to(tl.int64)[:, None] * s_kt + g * s_kh + d[None, :]
+    kt = tl.load(k_ptr + off, mask=kmask[:, None], other=0.0)
+    vt = tl.load(v_ptr + off, mask=kmask[:, None], other=0.0)
+    dk = tl.zeros([KS, D], tl.float32)
+    dv = tl.zeros([KS, D], tl.float32)
+    a_lo = tl.load(qt_lo_ptr + n)
+    a_hi = tl.load(qt_hi_ptr + n)
+    for ii in range(IPG):
+        for a in range(a_lo, a_hi):
+            t = a * TOK + r // HR
+            dk, dv, _, _ = _kv_rows_step(dk, dv, kt, vt, krow, kmask, t,
+                                         (g * IPG + ii) * HPI + hl, (t < Tq) & (hl < HPI),
+                                         q_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, qkb_ptr,
+                                         s_qt, s_qh, s_lt, scale, D, UPCAST, IEEE)
+    tl.store(dk_ptr + off, (dk * scale).to(dk_ptr.dtype.element_ty), mask=kmask[:, None])
+    tl.store(dv_ptr + off, dv.to(dv_ptr.dtype.element_ty), mask=kmask[:, None])
+
+
+@triton.jit
+def _dq_combine_kernel(
+    pdq_ptr, bidx_ptr, qpos_ptr, dq_ptr, t0, Tc, s_bt, s_bh, s_qt, s_qh,
+    HI: tl.constexpr, TOPK: tl.constexpr, NSUB: tl.constexpr, HPI: tl.constexpr,
+    HR: tl.constexpr, TOK: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+):
+    t, h, valid, dq, _ = combine_rows(pdq_ptr, pdq_ptr, bidx_ptr, qpos_ptr, tl.program_id(0),
+                                      tl.program_id(1), t0, Tc, s_bt, s_bh, HI, TOPK, NSUB, HPI,
+                                      HR, TOK, D, BN, False)
+    d = tl.arange(0, D)
+    tl.store(dq_ptr + t.to(tl.int64)[:, None] * s_qt + h[:, None] * s_qh + d[None, :],
+             dq.to(dq_ptr.dtype.element_ty), mask=valid[:, None])
 
 
 def attention_backward(
@@ -188,39 +210,53 @@ def attention_backward(
     sparse = block_idx is not None
     hi = block_idx.shape[1] if sparse else index_heads
     hpi, ipg = Hq // hi, hi // Hkv
-    dq = torch.empty_like(q)
-    dk = torch.zeros_like(k) if sparse else torch.empty_like(k)
-    dv = torch.zeros_like(v) if sparse else torch.empty_like(v)
     if Tq == 0:
-        return dq, dk.zero_(), dv.zero_()
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     lse = lse.contiguous()
     delta = torch.empty_like(lse)
+    _delta_kernel[(triton.cdiv(Tq * Hq, _DELTA_ROWS),)](out, dout, delta, Tq * Hq, D=D,
+                                                       ROWS=_DELTA_ROWS)
     upcast, ieee = dot_flags(q.dtype)
-    bn = block_size if sparse else DENSE_KEY_TILE
-    bidx = block_idx.contiguous() if sparse else q_pos
-    tok, hr = query_tiling(hpi, sparse)
-    _attn_bwd_dq_kernel[(triton.cdiv(Tq, tok), hi)](
-        q, k, v, out, dout, lse, delta, bidx, q_pos, q_kbase, dq, Tq, Tk, float(softmax_scale),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        bidx.stride(0) if sparse else 0, bidx.stride(1) if sparse else 0, lse.stride(0),
-        HPI=hpi, HR=hr, TOK=tok, IPG=ipg, D=D, BN=bn,
-        TOPK=block_idx.shape[2] if sparse else 1, SPARSE=sparse, UPCAST=upcast, IEEE=ieee,
-        num_warps=warps_for(tok * hr, max(bn, D)),
-    )
-    tok, hr = query_tiling(hpi, False)
-    if sparse:
-        # Units of a whole group: keys are (g * Tk + start_row), one item per (group, block).
-        rev = build_reverse_index(block_idx, q_pos, q_kbase, Tk, block_size, Hkv, ipg)
-        grid = (persistent_programs(q.device, rev.max_items),)
-        tables = (rev.key, rev.pair_t, rev.pair_i, rev.unit_lo, rev.n_units, q_pos, q_pos)
-    else:
-        qt_lo, qt_hi = query_tile_ranges(q_pos, q_kbase, Tk, tok, bn)
-        grid = (triton.cdiv(Tk, bn), Hkv)
-        tables = (q_pos, q_pos, q_pos, q_pos, q_pos, qt_lo, qt_hi)
-    _attn_bwd_dkdv_kernel[grid](
-        q, k, v, dout, lse, delta, q_pos, q_kbase, dk, dv, *tables, Tq, Tk, float(softmax_scale),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
-        HPI=hpi, HR=hr, TOK=tok, IPG=ipg, D=D, BN=bn, SPARSE=sparse,
-        UPCAST=upcast, IEEE=ieee, num_warps=warps_for(max(tok * hr, bn), D),
-    )
-    return dq, dk, dv
+    scale = float(softmax_scale)
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0))
+    tok, hr = query_tiling(hpi, GATHER_ROWS)
+    if not sparse:
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        _attn_bwd_dq_dense_kernel[(triton.cdiv(Tq, tok), hi)](
+            q, k, v, dout, lse, delta, q_pos, q_kbase, dq, Tq, Tk, scale, *strides,
+            HPI=hpi, HR=hr, TOK=tok, IPG=ipg, D=D, BN=DENSE_KEY_TILE, UPCAST=upcast, IEEE=ieee,
+            num_warps=warps_for(tok * hr),
+        )
+        ks = KEY_SUBTILE
+        qt_lo, qt_hi = query_tile_ranges(q_pos, q_kbase, Tk, tok, ks)
+        _attn_bwd_dkdv_dense_kernel[(triton.cdiv(Tk, ks), Hkv)](
+            q, k, v, dout, lse, delta, q_pos, q_kbase, dk, dv, qt_lo, qt_hi, Tq, Tk, scale,
+            *strides, HPI=hpi, HR=hr, TOK=tok, IPG=ipg, D=D, KS=ks, UPCAST=upcast, IEEE=ieee,
+            num_warps=warps_for(max(tok * hr, ks)),
+        )
+        return dq, dk, dv
+    block_idx = block_idx.contiguous()
+    top_k = block_idx.shape[2]
+    ks = min(block_size, KEY_SUBTILE)
+    nsub = block_size // ks
+    dq = torch.empty_like(q)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    per_query = Hq * top_k * nsub * D * q.element_size()
+    for c0, c1 in query_chunks(Tq, per_query, PARTIAL_BYTES):
+        rev = build_reverse_index(block_idx[c0:c1], q_pos[c0:c1], q_kbase[c0:c1], Tk,
+                                  block_size, Hkv, ipg)
+        part = torch.empty(((c1 - c0) * hi * top_k * nsub * hpi, D), dtype=q.dtype,
+                           device=q.device)
+        _attn_bwd_blocks_kernel[(persistent_programs(q.device, rev.max_items * nsub),)](
+            q, k, v, dout, lse, delta, q_pos, q_kbase, dk, dv, part, rev.key, rev.pair,
+            rev.unit_lo, rev.n_units, c0, Tk, scale, *strides,
+            HI=hi, TOPK=top_k, HPI=hpi, HR=hr, TOK=tok, D=D, BN=block_size, KS=ks,
+            UPCAST=upcast, IEEE=ieee, num_warps=warps_for(max(tok * hr, ks)),
+        )
+        _dq_combine_kernel[(triton.cdiv(c1 - c0, tok), hi)](
+            part, block_idx, q_pos, dq, c0, c1 - c0, block_idx.stride(0), block_idx.stride(1),
+            q.stride(0), q.stride(1), HI=hi, TOPK=top_k, NSUB=nsub, HPI=hpi, HR=hr, TOK=tok,
+            D=D, BN=block_size, num_warps=warps_for(tok * hr),
+        )
+    return dq, dk.to(k.dtype), dv.to(v.dtype)

@@ -1,11 +1,17 @@
 """Main-branch forward (MSA_SPEC section 3, dense causal in warmup mode, section 5).
 
-Query-outer: one program owns ``TOK`` query tokens x the ``Hq/Hi`` query heads of one index
-head (rows = token x head; all heads lie in one KV group, so each K/V tile is loaded once for
-all of them). Sparse mode: ``TOK = 1`` and the program walks the token's selected blocks.
-Dense mode: the program walks key tiles from its lowest to its highest reachable key row, with
-the support mask deciding per element (any packing, any ``q_kbase``).
-The output is normalised in fp32 and ``lse`` (natural log, fp32) is kept for the backward.
+Sparse mode is key-block-outer (the queries of a chunk are grouped by the key block they
+selected, :mod:`.reverse_index`): one work item per (KV group, selected key block) loads the
+block's K/V once and streams the (token, query head) rows that selected it through the matrix
+unit in tiles of ``GATHER_ROWS`` rows. Each row gets a partial output normalised over that block
+and its log-sum-exp; :func:`_attn_combine_kernel` merges a row's ``k`` partials by their LSE in
+slot order (no atomics, deterministic). Queries are processed in chunks so the partials stay
+under ``PARTIAL_BYTES``.
+
+Dense mode is query-outer: one program owns tokens x the query heads of one index head and
+walks the key tiles from its lowest to its highest reachable key row, with the support mask
+deciding per element (any packing, any ``q_kbase``).
+The output is normalised in fp32; ``lse`` (natural log, fp32) is kept for the backward.
 """
 
 from __future__ import annotations
@@ -15,8 +21,10 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    DENSE_KEY_TILE, GATHER_ROWS, MIN_DOT_ROWS, dot_flags, mma, next_pow2, support_mask,
+    DENSE_KEY_TILE, DENSE_ROWS, GATHER_ROWS, PARTIAL_BYTES, dot_flags, mma, next_pow2,
+    persistent_programs, query_chunks, support_mask,
 )
+from .reverse_index import build_reverse_index
 
 
 @triton.jit
@@ -33,9 +41,22 @@ def query_rows(tile, i, Tq, qpos_ptr, qkb_ptr, HPI: tl.constexpr, HR: tl.constex
 
 
 @triton.jit
+def pair_rows(pair_ptr, p0, hi, t0, HI: tl.constexpr, TOPK: tl.constexpr, HPI: tl.constexpr,
+              HR: tl.constexpr, TOK: tl.constexpr):
+    """Rows of a key-block-outer tile: ``TOK`` sorted pairs from ``p0`` (< ``hi``) x ``HR``
+    head rows. Returns ``(flat, t, i, hl, valid)``; ``flat`` is the pair's index in its chunk."""
+    r = tl.arange(0, TOK * HR)
+    pr = p0 + r // HR
+    on = pr < hi
+    flat = tl.load(pair_ptr + pr, mask=on, other=0)
+    hl = r % HR
+    return flat, t0 + flat // (HI * TOPK), flat // TOPK % HI, hl, on & (hl < HPI)
+
+
+@triton.jit
 def _fwd_step(q, m, l, acc, k_ptr, v_ptr, krow, kmask, inside, g, s_kt, s_kh, scale,
               D: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """One key tile of the online softmax; ``inside [R, N]`` (or ``[1, N]``) is the support."""
+    """One key tile of the online softmax; ``inside [R, N]`` is the support."""
     d = tl.arange(0, D)
     off = krow.to(tl.int64)[:, None] * s_kt + g * s_kh + d[None, :]
     kt = tl.load(k_ptr + off, mask=kmask[:, None], other=0.0)
@@ -51,18 +72,16 @@ def _fwd_step(q, m, l, acc, k_ptr, v_ptr, krow, kmask, inside, g, s_kt, s_kh, sc
 
 
 @triton.jit
-def _attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, bidx_ptr, qpos_ptr, qkb_ptr, o_ptr, lse_ptr,
+def _attn_fwd_dense_kernel(
+    q_ptr, k_ptr, v_ptr, qpos_ptr, qkb_ptr, o_ptr, lse_ptr,
     Tq, Tk, scale,
-    s_qt, s_qh, s_kt, s_kh, s_bt, s_bh, s_lt,
+    s_qt, s_qh, s_kt, s_kh, s_lt,
     HPI: tl.constexpr, HR: tl.constexpr, TOK: tl.constexpr, IPG: tl.constexpr,
-    D: tl.constexpr, BN: tl.constexpr, TOPK: tl.constexpr, SPARSE: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    D: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
     R: tl.constexpr = TOK * HR
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # late (long) rows first
     i = tl.program_id(1)
-    g = i // IPG
     t, h, valid, pos, kbase = query_rows(tile, i, Tq, qpos_ptr, qkb_ptr, HPI, HR, TOK)
     d = tl.arange(0, D)
     q_off = t.to(tl.int64)[:, None] * s_qt + h[:, None] * s_qh + d[None, :]
@@ -71,45 +90,141 @@ def _attn_fwd_kernel(
     l = tl.zeros([R], tl.float32)
     acc = tl.zeros([R, D], tl.float32)
     c = tl.arange(0, BN)
-    if SPARSE:
-        pos0 = tl.load(qpos_ptr + tile)
-        kb0 = tl.load(qkb_ptr + tile)
-        for s in range(TOPK):
-            blk = tl.load(bidx_ptr + tile.to(tl.int64) * s_bt + i * s_bh + s)
-            u = blk * BN + c
-            kmask = (u >= 0) & (u <= pos0)  # one token: the support is per column
-            m, l, acc = _fwd_step(q, m, l, acc, k_ptr, v_ptr, kb0 + u, kmask, kmask[None, :],
-                                  g, s_kt, s_kh, scale, D, UPCAST, IEEE)
-    else:
-        k_lo = tl.min(tl.where(valid, kbase, Tk))
-        k_hi = tl.max(tl.where(valid, kbase + pos, -1))
-        for k0 in range(k_lo, k_hi + 1, BN):
-            krow = k0 + c
-            kmask = krow <= k_hi
-            inside = support_mask(krow, kmask, kbase, pos, valid)
-            m, l, acc = _fwd_step(q, m, l, acc, k_ptr, v_ptr, krow, kmask, inside,
-                                  g, s_kt, s_kh, scale, D, UPCAST, IEEE)
+    k_lo = tl.min(tl.where(valid, kbase, Tk))
+    k_hi = tl.max(tl.where(valid, kbase + pos, -1))
+    for k0 in range(k_lo, k_hi + 1, BN):
+        krow = k0 + c
+        kmask = krow <= k_hi
+        inside = support_mask(krow, kmask, kbase, pos, valid)
+        m, l, acc = _fwd_step(q, m, l, acc, k_ptr, v_ptr, krow, kmask, inside, i // IPG,
+                              s_kt, s_kh, scale, D, UPCAST, IEEE)
     l_safe = tl.where(l > 0, l, 1.0)
-    out = acc / l_safe[:, None]
-    tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=valid[:, None])
+    tl.store(o_ptr + q_off, (acc / l_safe[:, None]).to(o_ptr.dtype.element_ty),
+             mask=valid[:, None])
     tl.store(lse_ptr + t.to(tl.int64) * s_lt + h, m + tl.log(l_safe), mask=valid)
 
 
-def query_tiling(hpi: int, one_token: bool) -> tuple:
-    """``(TOK, HR)``: tokens per row tile and rows per token (a power of two >= ``hpi``).
+@triton.jit
+def _attn_fwd_blocks_kernel(
+    q_ptr, k_ptr, v_ptr, qpos_ptr, qkb_ptr, po_ptr, plse_ptr,
+    key_ptr, pair_ptr, item_lo_ptr, n_items_ptr,
+    t0, Tk, scale,
+    s_qt, s_qh, s_kt, s_kh,
+    HI: tl.constexpr, TOPK: tl.constexpr, HPI: tl.constexpr, HR: tl.constexpr,
+    TOK: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Partial output and LSE of every (pair, head) row over its selected block.
 
-    ``one_token``: the sparse query-outer kernels (one token per program, padded to the
-    matrix-unit minimum); otherwise tiles of about ``GATHER_ROWS`` token x head rows.
+    Persistent over the items (KV group, key block) of the reverse index; partial row of pair
+    ``flat`` and head ``hl`` is ``flat * HPI + hl``.
     """
-    if one_token:
-        return 1, max(MIN_DOT_ROWS, next_pow2(hpi))
+    c = tl.arange(0, BN)
+    d = tl.arange(0, D)
+    for w in range(tl.program_id(0), tl.load(n_items_ptr), tl.num_programs(0)):
+        lo = tl.load(item_lo_ptr + w)
+        hi = tl.load(item_lo_ptr + w + 1)
+        gk = tl.load(key_ptr + lo)
+        g = gk // Tk
+        krow = gk % Tk + c
+        kmask = krow < Tk
+        off = krow.to(tl.int64)[:, None] * s_kt + g * s_kh + d[None, :]
+        kt = tl.load(k_ptr + off, mask=kmask[:, None], other=0.0)
+        vt = tl.load(v_ptr + off, mask=kmask[:, None], other=0.0)
+        for p0 in range(lo, hi, TOK):
+            flat, t, i, hl, valid = pair_rows(pair_ptr, p0, hi, t0, HI, TOPK, HPI, HR, TOK)
+            pos = tl.load(qpos_ptr + t, mask=valid, other=-1)
+            kbase = tl.load(qkb_ptr + t, mask=valid, other=0)
+            q = tl.load(q_ptr + t.to(tl.int64)[:, None] * s_qt + (i * HPI + hl)[:, None] * s_qh
+                        + d[None, :], mask=valid[:, None], other=0.0)
+            s = mma(q, tl.trans(kt), UPCAST, IEEE) * scale
+            s = tl.where(support_mask(krow, kmask, kbase, pos, valid), s, float("-inf"))
+            m = tl.max(s, axis=1)
+            m = tl.where(m == float("-inf"), 0.0, m)
+            p = tl.exp(s - m[:, None])
+            l = tl.sum(p, axis=1)
+            l = tl.where(l > 0, l, 1.0)
+            o = mma(p.to(vt.dtype), vt, UPCAST, IEEE) / l[:, None]
+            prow = flat.to(tl.int64) * HPI + hl
+            tl.store(po_ptr + prow[:, None] * D + d[None, :], o.to(po_ptr.dtype.element_ty),
+                     mask=valid[:, None])
+            tl.store(plse_ptr + prow, m + tl.log(l), mask=valid)
+
+
+@triton.jit
+def combine_rows(part_ptr, plse_ptr, bidx_ptr, qpos_ptr, tile, i, t0, Tc, s_bt, s_bh,
+                 HI: tl.constexpr, TOPK: tl.constexpr, NSUB: tl.constexpr, HPI: tl.constexpr,
+                 HR: tl.constexpr, TOK: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+                 WEIGHTED: tl.constexpr):
+    """Merge the ``TOPK * NSUB`` partial rows (slot, sub-tile) of ``TOK`` tokens x ``HR`` heads
+    of index head ``i``: by their LSE (``WEIGHTED``, forward) or by plain sum (gradients).
+    Returns ``(t, h, valid, value [R, D] fp32, lse [R])``; slots without a valid block (never
+    written) are skipped."""
+    R: tl.constexpr = TOK * HR
+    r = tl.arange(0, R)
+    tc = tile * TOK + r // HR
+    hl = r % HR
+    valid = (tc < Tc) & (hl < HPI)
+    t = t0 + tc
+    pos = tl.load(qpos_ptr + t, mask=valid, other=-1)
+    d = tl.arange(0, D)
+    lse = tl.zeros([R], tl.float32)
+    if WEIGHTED:
+        m = tl.full([R], float("-inf"), tl.float32)
+        l = tl.zeros([R], tl.float32)
+        for s in range(TOPK):
+            blk = tl.load(bidx_ptr + t.to(tl.int64) * s_bt + i * s_bh + s, mask=valid, other=-1)
+            ok = valid & (blk >= 0) & (blk * BN <= pos)
+            prow = ((tc.to(tl.int64) * HI + i) * TOPK + s) * HPI + hl
+            lb = tl.load(plse_ptr + prow, mask=ok, other=float("-inf"))
+            m_new = tl.maximum(m, lb)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l = l * tl.exp(m - m_use) + tl.exp(lb - m_use)
+            m = m_new
+        lse = tl.where(valid, m + tl.log(tl.where(l > 0, l, 1.0)), 0.0)
+    acc = tl.zeros([R, D], tl.float32)
+    for s in range(TOPK * NSUB):
+        blk = tl.load(bidx_ptr + t.to(tl.int64) * s_bt + i * s_bh + s // NSUB, mask=valid,
+                      other=-1)
+        ok = valid & (blk >= 0) & (blk * BN <= pos)
+        prow = ((tc.to(tl.int64) * HI + i) * TOPK * NSUB + s) * HPI + hl
+        part = tl.load(part_ptr + prow[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+        if WEIGHTED:
+            wgt = tl.exp(tl.load(plse_ptr + prow, mask=ok, other=float("-inf")) - lse)
+            acc += wgt[:, None] * part.to(tl.float32)
+        else:
+            acc += part.to(tl.float32)
+    return t, i * HPI + hl, valid, acc, lse
+
+
+@triton.jit
+def _attn_combine_kernel(
+    po_ptr, plse_ptr, bidx_ptr, qpos_ptr, o_ptr, lse_ptr,
+    t0, Tc, s_bt, s_bh, s_qt, s_qh, s_lt,
+    HI: tl.constexpr, TOPK: tl.constexpr, HPI: tl.constexpr, HR: tl.constexpr,
+    TOK: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+):
+    i = tl.program_id(1)
+    t, h, valid, out, lse = combine_rows(po_ptr, plse_ptr, bidx_ptr, qpos_ptr, tl.program_id(0),
+                                         i, t0, Tc, s_bt, s_bh, HI, TOPK, 1, HPI, HR, TOK, D,
+                                         BN, True)
+    d = tl.arange(0, D)
+    t64 = t.to(tl.int64)
+    tl.store(o_ptr + t64[:, None] * s_qt + h[:, None] * s_qh + d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=valid[:, None])
+    tl.store(lse_ptr + t64 * s_lt + h, lse, mask=valid)
+
+
+def query_tiling(hpi: int, rows: int) -> tuple:
+    """``(TOK, HR)``: tokens per row tile and rows per token (a power of two >= ``hpi``), for
+    tiles of about ``rows`` token x head rows."""
     hr = next_pow2(hpi)
-    return max(1, GATHER_ROWS // hr), hr
+    return max(1, rows // hr), hr
 
 
-def warps_for(rows: int, cols: int) -> int:
-    """num_warps of a kernel whose largest fp32 tile is ``[rows, cols]``."""
-    return 4 if rows * cols <= 64 * 64 else 8
+def warps_for(rows: int) -> int:
+    """num_warps for tiles of ``rows`` rows: one warpgroup (64-row MMAs) up to 64 rows."""
+    return 4 if rows <= 64 else 8
 
 
 def attention_forward(
@@ -119,7 +234,7 @@ def attention_forward(
     """Sparse (``block_idx [Tq, Hi, k]``) or dense causal (``block_idx=None``) attention.
 
     Args:
-        q: ``[Tq, Hq, D]``; k, v: ``[Tk, Hkv, D]`` (fp16/bf16/fp32, contiguous rows).
+        q: ``[Tq, Hq, D]``; k, v: ``[Tk, Hkv, D]`` (fp16/bf16/fp32).
         block_idx: ``[Tq, Hi, k]`` int32 selection or None (dense warmup mode).
         q_pos, q_kbase: ``[Tq]`` int32 query layout.
         block_size: B; softmax_scale: resolved float; index_heads: Hi (groups rows in dense mode).
@@ -135,19 +250,37 @@ def attention_forward(
     lse = torch.empty((Tq, Hq), dtype=torch.float32, device=q.device)
     if Tq == 0:
         return out, lse
-    sparse = block_idx is not None
     hpi = Hq // hi
-    tok, hr = query_tiling(hpi, sparse)
-    bn = block_size if sparse else DENSE_KEY_TILE
-    bidx = block_idx.contiguous() if sparse else q_pos  # placeholder pointer in dense mode
     upcast, ieee = dot_flags(q.dtype)
-    grid = (triton.cdiv(Tq, tok), hi)
-    _attn_fwd_kernel[grid](
-        q, k, v, bidx, q_pos, q_kbase, out, lse, Tq, Tk, float(softmax_scale),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        bidx.stride(0) if sparse else 0, bidx.stride(1) if sparse else 0, lse.stride(0),
-        HPI=hpi, HR=hr, TOK=tok, IPG=hi // Hkv, D=D, BN=bn,
-        TOPK=block_idx.shape[2] if sparse else 1, SPARSE=sparse, UPCAST=upcast, IEEE=ieee,
-        num_warps=warps_for(tok * hr, max(bn, D)),
-    )
+    if block_idx is None:
+        tok, hr = query_tiling(hpi, DENSE_ROWS)
+        _attn_fwd_dense_kernel[(triton.cdiv(Tq, tok), hi)](
+            q, k, v, q_pos, q_kbase, out, lse, Tq, Tk, float(softmax_scale),
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
+            HPI=hpi, HR=hr, TOK=tok, IPG=hi // Hkv, D=D, BN=DENSE_KEY_TILE, UPCAST=upcast,
+            IEEE=ieee, num_warps=warps_for(tok * hr),
+        )
+        return out, lse
+    tok, hr = query_tiling(hpi, GATHER_ROWS)
+    block_idx = block_idx.contiguous()
+    top_k = block_idx.shape[2]
+    per_query = Hq * top_k * (D * q.element_size() + 4)
+    for c0, c1 in query_chunks(Tq, per_query, PARTIAL_BYTES):
+        rev = build_reverse_index(block_idx[c0:c1], q_pos[c0:c1], q_kbase[c0:c1], Tk,
+                                  block_size, Hkv, hi // Hkv)
+        part = torch.empty(((c1 - c0) * hi * top_k * hpi, D), dtype=q.dtype, device=q.device)
+        part_lse = torch.empty(part.shape[0], dtype=torch.float32, device=q.device)
+        _attn_fwd_blocks_kernel[(persistent_programs(q.device, rev.max_items),)](
+            q, k, v, q_pos, q_kbase, part, part_lse, rev.key, rev.pair, rev.unit_lo,
+            rev.n_units, c0, Tk, float(softmax_scale),
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            HI=hi, TOPK=top_k, HPI=hpi, HR=hr, TOK=tok, D=D, BN=block_size, UPCAST=upcast,
+            IEEE=ieee, num_warps=warps_for(tok * hr),
+        )
+        _attn_combine_kernel[(triton.cdiv(c1 - c0, tok), hi)](
+            part, part_lse, block_idx, q_pos, out, lse, c0, c1 - c0,
+            block_idx.stride(0), block_idx.stride(1), q.stride(0), q.stride(1), lse.stride(0),
+            HI=hi, TOPK=top_k, HPI=hpi, HR=hr, TOK=tok, D=D, BN=block_size,
+            num_warps=warps_for(tok * hr),
+        )
     return out, lse

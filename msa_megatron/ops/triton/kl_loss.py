@@ -3,17 +3,22 @@
 The KL is a scalar loss, so ``d kl / d q_idx`` and ``d kl / d k_idx`` are computed with the
 value (the backward only scales them by the incoming gradient). Nothing of the size of the
 support is stored: teacher and student probabilities are recomputed tile by tile.
+Per (token, index head) ``i`` with support ``u``: teacher ``T = mean_h exp(s_h - lse_h)`` over
+the index head's query heads (the forward's ``lse``), student ``log Qs = z - lse_z``,
+``KL = sum T (log T - log Qs)``, ``dz = Qs - T``, ``dq_idx = sum dz k_idx``,
+``dk_idx = sum dz q_idx`` (times ``index_scale * kl_scale``).
 
-- Rows kernel (query-outer, like the forward): pass 1 computes the student's log-normaliser
-  ``lse_z`` over the support; pass 2 recomputes the teacher ``T`` (mean over the index head's
-  query heads of ``exp(s - lse)``, from the forward's ``lse``) and accumulates
-  ``KL = sum T (log T - z + lse_z)`` and ``dq_idx = sum (Qs - T) k_idx``.
-- Keys kernel (key-block-outer, like dK/dV): ``dk_idx = sum (Qs - T) q_idx`` per key block,
-  from the reverse index (sparse) or over query tiles (dense); one partial per unit of index
-  heads (heads sharing a KV group and an index key head), summed in a fixed order after.
+Sparse mode, key-block-outer (:mod:`.reverse_index`), per chunk of queries:
+pass A gives each (token, index head, slot) the log-sum-exp of ``z`` over its block, merged
+per token; pass B, per (KV group, block, unit of index heads, key sub-tile), recomputes ``T``
+and ``Qs`` for the rows that selected the block, adds ``dz^T q_idx`` to an fp32 index-key
+gradient of its rows (one partial per unit, summed in a fixed order) and writes per-pair
+partials of the KL value and of ``dq_idx``.
+Dense mode: a query-outer rows kernel (``lse_z``, KL, ``dq_idx``) and a key-tile-outer kernel
+(``dk_idx``).
 
-Rows hold token x query head; the index query of a token is repeated on its head rows so the
-index scores use the matrix unit; per-token values are read from the token's first head row.
+Rows hold token x query head (the teacher needs every head of the index head); index
+queries are loaded on each token's first head row only, where the per-token values live.
 """
 
 from __future__ import annotations
@@ -24,206 +29,235 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import DENSE_KEY_TILE, dot_flags, mma, persistent_programs, support_mask, token_mean
-from .forward import query_rows, query_tiling, warps_for
+from ._common import (
+    DENSE_KEY_TILE, DENSE_ROWS, GATHER_ROWS, KEY_SUBTILE, PARTIAL_BYTES, dot_flags, mma,
+    persistent_programs, query_chunks, support_mask, token_mean,
+)
+from .backward import _dq_combine_kernel
+from .forward import pair_rows, query_rows, query_tiling, warps_for
 from .reverse_index import build_reverse_index, query_tile_ranges
+
+# dz = Qs - T lies in [-1, 1]; it is scaled by this power of two before the fp16/bf16 matrix
+# products (exact) so small differences stay normal numbers in fp16.
+_DZ_SCALE = tl.constexpr(4096.0)
 
 
 @triton.jit
-def _teacher_student(q, qi, lse, lse_z, inside, kt, kit, scale, iscale, TOK: tl.constexpr,
-                     HR: tl.constexpr, HPI: tl.constexpr, UPCAST: tl.constexpr,
-                     IEEE: tl.constexpr):
-    """Teacher ``T`` and student log-probability ``z - lse_z`` on one key tile, ``[R, N]``."""
+def _kl_tile(kt, kit, krow, kmask, t, i, hl, valid, q_ptr, lse_ptr, qi_ptr, lsez_ptr, qpos_ptr,
+             qkb_ptr, s_qt, s_qh, s_lt, s_it, s_ih, s_zt, scale, iscale,
+             HPI: tl.constexpr, HR: tl.constexpr, TOK: tl.constexpr, D: tl.constexpr,
+             DI: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """Rows (token x head) against one key tile: ``(dz * _DZ_SCALE, kl, q_idx rows, reach)``.
+
+    ``dz`` and ``kl`` (per row, summed over the tile) are nonzero on first head rows only.
+    """
+    pos = tl.load(qpos_ptr + t, mask=valid, other=-1)
+    kbase = tl.load(qkb_ptr + t, mask=valid, other=0)
+    t64 = t.to(tl.int64)
+    h = i * HPI + hl
+    first = valid & (hl == 0)
+    d = tl.arange(0, D)
+    di = tl.arange(0, DI)
+    q = tl.load(q_ptr + t64[:, None] * s_qt + h[:, None] * s_qh + d[None, :],
+                mask=valid[:, None], other=0.0)
+    lse = tl.load(lse_ptr + t64 * s_lt + h, mask=valid, other=float("inf"))
+    qi = tl.load(qi_ptr + t64[:, None] * s_it + i[:, None] * s_ih + di[None, :],
+                 mask=first[:, None], other=0.0)
+    lse_z = tl.load(lsez_ptr + t64 * s_zt + i, mask=first, other=0.0)
+    inside = support_mask(krow, kmask, kbase, pos, valid)
     p = tl.where(inside, tl.exp(mma(q, tl.trans(kt), UPCAST, IEEE) * scale - lse[:, None]), 0.0)
     teacher = token_mean(p, TOK, HR, HPI)
     log_qs = mma(qi, tl.trans(kit), UPCAST, IEEE) * iscale - lse_z[:, None]
-    return teacher, log_qs
+    on = inside & first[:, None]
+    has_t = on & (teacher > 0)
+    log_t = tl.log(tl.where(has_t, teacher, 1.0))
+    kl = tl.sum(tl.where(has_t, teacher * (log_t - log_qs), 0.0), axis=1)
+    dz = tl.where(on, tl.exp(log_qs) - teacher, 0.0) * _DZ_SCALE
+    return dz, kl, qi, tl.max(tl.where(valid, kbase + pos, -1))
 
 
 @triton.jit
-def _kl_rows_kernel(
-    q_ptr, k_ptr, lse_ptr, qi_ptr, ki_ptr, bidx_ptr, qpos_ptr, qkb_ptr, kl_ptr, lsez_ptr, dqi_ptr,
+def _kl_rows_dense_kernel(
+    q_ptr, k_ptr, lse_ptr, qi_ptr, ki_ptr, qpos_ptr, qkb_ptr, kl_ptr, lsez_ptr, dqi_ptr,
     Tq, Tk, scale, iscale, grad_scale,
-    s_qt, s_qh, s_kt, s_kh, s_lt, s_it, s_ih, s_jt, s_jh, s_bt, s_bh, s_zt,
+    s_qt, s_qh, s_kt, s_kh, s_lt, s_it, s_ih, s_jt, s_jh, s_zt,
     HPI: tl.constexpr, HR: tl.constexpr, TOK: tl.constexpr, IPG: tl.constexpr,
     HPK: tl.constexpr, D: tl.constexpr, DI: tl.constexpr, BN: tl.constexpr,
-    TOPK: tl.constexpr, SPARSE: tl.constexpr, GRAD: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    GRAD: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
+    """Dense mode, query-outer: ``lse_z``, per-token KL and ``dq_idx`` over the causal row."""
     R: tl.constexpr = TOK * HR
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     i = tl.program_id(1)
     g = i // IPG
     j = i // HPK
     t, h, valid, pos, kbase = query_rows(tile, i, Tq, qpos_ptr, qkb_ptr, HPI, HR, TOK)
-    first = valid & (h == i * HPI)
+    hl = h - i * HPI
+    first = valid & (hl == 0)
+    ii = i + 0 * hl
     t64 = t.to(tl.int64)
-    d = tl.arange(0, D)
     di = tl.arange(0, DI)
+    d = tl.arange(0, D)
     c = tl.arange(0, BN)
-    q = tl.load(q_ptr + t64[:, None] * s_qt + h[:, None] * s_qh + d[None, :],
-                mask=valid[:, None], other=0.0)
-    qi = tl.load(qi_ptr + t64[:, None] * s_it + i * s_ih + di[None, :],
-                 mask=(t < Tq)[:, None], other=0.0)
-    lse = tl.load(lse_ptr + t64 * s_lt + h, mask=valid, other=float("inf"))
-    if SPARSE:
-        pos0 = tl.load(qpos_ptr + tile)
-        kb0 = tl.load(qkb_ptr + tile)
-        n_steps = TOPK
-    else:
-        k_lo = tl.min(tl.where(valid, kbase, Tk))
-        k_hi = tl.max(tl.where(valid, kbase + pos, -1))
-        n_steps = tl.cdiv(k_hi + 1 - k_lo, BN)
-    # Pass 1: the student's normaliser over the support.
+    qi = tl.load(qi_ptr + t64[:, None] * s_it + i * s_ih + di[None, :], mask=first[:, None],
+                 other=0.0)
+    k_lo = tl.min(tl.where(valid, kbase, Tk))
+    k_hi = tl.max(tl.where(valid, kbase + pos, -1))
+    # Pass 1: the student's log-normaliser over the causal row.
     mz = tl.full([R], float("-inf"), tl.float32)
     lz = tl.zeros([R], tl.float32)
-    for step in range(n_steps):
-        if SPARSE:
-            u = tl.load(bidx_ptr + tile.to(tl.int64) * s_bt + i * s_bh + step) * BN + c
-            krow = kb0 + u
-            kmask = (u >= 0) & (u <= pos0)
-            inside = kmask[None, :]
-        else:
-            krow = k_lo + step * BN + c
-            kmask = krow <= k_hi
-            inside = support_mask(krow, kmask, kbase, pos, valid)
+    for k0 in range(k_lo, k_hi + 1, BN):
+        krow = k0 + c
+        kmask = krow <= k_hi
         kit = tl.load(ki_ptr + krow.to(tl.int64)[:, None] * s_jt + j * s_jh + di[None, :],
                       mask=kmask[:, None], other=0.0)
-        z = tl.where(inside, mma(qi, tl.trans(kit), UPCAST, IEEE) * iscale, float("-inf"))
+        z = mma(qi, tl.trans(kit), UPCAST, IEEE) * iscale
+        z = tl.where(support_mask(krow, kmask, kbase, pos, first), z, float("-inf"))
         m_new = tl.maximum(mz, tl.max(z, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         lz = lz * tl.exp(mz - m_use) + tl.sum(tl.exp(z - m_use[:, None]), axis=1)
         mz = m_new
-    lse_z = tl.where(valid, mz + tl.log(tl.where(lz > 0, lz, 1.0)), 0.0)
-    # Pass 2: teacher, KL terms and the index-query gradient.
+    lse_z = tl.where(first, mz + tl.log(tl.where(lz > 0, lz, 1.0)), 0.0)
+    tl.store(lsez_ptr + t64 * s_zt + i, lse_z, mask=first)
+    # Pass 2: teacher, KL and the index-query gradient.
     kl = tl.zeros([R], tl.float32)
     dqi = tl.zeros([R, DI], tl.float32)
-    for step in range(n_steps):
-        if SPARSE:
-            u = tl.load(bidx_ptr + tile.to(tl.int64) * s_bt + i * s_bh + step) * BN + c
-            krow = kb0 + u
-            kmask = (u >= 0) & (u <= pos0)
-            inside = kmask[None, :]
-        else:
-            krow = k_lo + step * BN + c
-            kmask = krow <= k_hi
-            inside = support_mask(krow, kmask, kbase, pos, valid)
+    for k0 in range(k_lo, k_hi + 1, BN):
+        krow = k0 + c
+        kmask = krow <= k_hi
         k64 = krow.to(tl.int64)[:, None]
         kt = tl.load(k_ptr + k64 * s_kt + g * s_kh + d[None, :], mask=kmask[:, None], other=0.0)
         kit = tl.load(ki_ptr + k64 * s_jt + j * s_jh + di[None, :], mask=kmask[:, None], other=0.0)
-        teacher, log_qs = _teacher_student(q, qi, lse, lse_z, inside, kt, kit, scale, iscale,
-                                           TOK, HR, HPI, UPCAST, IEEE)
-        pos_t = inside & (teacher > 0)
-        log_t = tl.log(tl.where(pos_t, teacher, 1.0))
-        kl += tl.sum(tl.where(pos_t, teacher * (log_t - log_qs), 0.0), axis=1)
+        dz, kl_tile, _, _ = _kl_tile(kt, kit, krow, kmask, t, ii, hl, valid, q_ptr, lse_ptr,
+                                     qi_ptr, lsez_ptr, qpos_ptr, qkb_ptr, s_qt, s_qh, s_lt, s_it,
+                                     s_ih, s_zt, scale, iscale, HPI, HR, TOK, D, DI, UPCAST, IEEE)
+        kl += kl_tile
         if GRAD:
-            dz = tl.where(inside, tl.exp(log_qs) - teacher, 0.0)
             dqi += mma(dz.to(kit.dtype), kit, UPCAST, IEEE)
-    z_off = t64 * s_zt + i
-    tl.store(kl_ptr + z_off, kl, mask=first)
-    tl.store(lsez_ptr + z_off, lse_z, mask=first)
+    tl.store(kl_ptr + t64 * s_zt + i, kl, mask=first)
     if GRAD:
-        dqi = dqi * (iscale * grad_scale)
+        dqi = dqi * (iscale * grad_scale / _DZ_SCALE)
         tl.store(dqi_ptr + t64[:, None] * s_it + i * s_ih + di[None, :],
                  dqi.to(dqi_ptr.dtype.element_ty), mask=first[:, None])
 
 
 @triton.jit
-def _kl_keys_step(dki, kt, kit, krow, kmask, t, i, hl, valid, q_ptr, lse_ptr, qi_ptr, lsez_ptr,
-                  qpos_ptr, qkb_ptr, s_qt, s_qh, s_lt, s_it, s_ih, s_zt, scale, iscale,
-                  HPI: tl.constexpr, HR: tl.constexpr, TOK: tl.constexpr, D: tl.constexpr,
-                  DI: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """Add one tile of gathered (token, head) rows to a key block's index-key gradient."""
-    pos = tl.load(qpos_ptr + t, mask=valid, other=-1)
-    kbase = tl.load(qkb_ptr + t, mask=valid, other=0)
-    t64 = t.to(tl.int64)
-    h = i * HPI + hl
-    d = tl.arange(0, D)
+def _kl_lsez_blocks_kernel(
+    qi_ptr, ki_ptr, qpos_ptr, qkb_ptr, plz_ptr, key_ptr, pair_ptr, item_lo_ptr, n_items_ptr,
+    t0, Tk, iscale, s_it, s_ih, s_jt, s_jh,
+    HI: tl.constexpr, TOPK: tl.constexpr, UPG: tl.constexpr, UNIT: tl.constexpr,
+    HPK: tl.constexpr, DI: tl.constexpr, BN: tl.constexpr, ROWS: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Sparse pass A: log-sum-exp of ``z`` over each selected block, one value per pair."""
+    c = tl.arange(0, BN)
     di = tl.arange(0, DI)
-    q = tl.load(q_ptr + t64[:, None] * s_qt + h[:, None] * s_qh + d[None, :],
-                mask=valid[:, None], other=0.0)
-    lse = tl.load(lse_ptr + t64 * s_lt + h, mask=valid, other=float("inf"))
-    first = valid & (hl == 0)
-    qi = tl.load(qi_ptr + t64[:, None] * s_it + i[:, None] * s_ih + di[None, :],
-                 mask=first[:, None], other=0.0)
-    lse_z = tl.load(lsez_ptr + t64 * s_zt + i, mask=first, other=0.0)
-    inside = support_mask(krow, kmask, kbase, pos, valid)
-    teacher, log_qs = _teacher_student(q, qi, lse, lse_z, inside, kt, kit, scale, iscale,
-                                       TOK, HR, HPI, UPCAST, IEEE)
-    dz = tl.where(inside & first[:, None], tl.exp(log_qs) - teacher, 0.0)
-    dki += mma(tl.trans(dz.to(qi.dtype)), qi, UPCAST, IEEE)
-    return dki, tl.max(tl.where(valid, kbase + pos, -1))
+    for w in range(tl.program_id(0), tl.load(n_items_ptr), tl.num_programs(0)):
+        lo = tl.load(item_lo_ptr + w)
+        hi = tl.load(item_lo_ptr + w + 1)
+        key = tl.load(key_ptr + lo)
+        j = (key // UPG // Tk * UPG + key % UPG) * UNIT // HPK
+        krow = key // UPG % Tk + c
+        kmask = krow < Tk
+        kit = tl.load(ki_ptr + krow.to(tl.int64)[:, None] * s_jt + j * s_jh + di[None, :],
+                      mask=kmask[:, None], other=0.0)
+        for p0 in range(lo, hi, ROWS):
+            flat, t, i, _, valid = pair_rows(pair_ptr, p0, hi, t0, HI, TOPK, 1, 1, ROWS)
+            pos = tl.load(qpos_ptr + t, mask=valid, other=-1)
+            kbase = tl.load(qkb_ptr + t, mask=valid, other=0)
+            qi = tl.load(qi_ptr + t.to(tl.int64)[:, None] * s_it + i[:, None] * s_ih + di[None, :],
+                         mask=valid[:, None], other=0.0)
+            z = mma(qi, tl.trans(kit), UPCAST, IEEE) * iscale
+            z = tl.where(support_mask(krow, kmask, kbase, pos, valid), z, float("-inf"))
+            m = tl.max(z, axis=1)
+            m = tl.where(m == float("-inf"), 0.0, m)
+            l = tl.sum(tl.exp(z - m[:, None]), axis=1)
+            tl.store(plz_ptr + flat, m + tl.log(tl.where(l > 0, l, 1.0)), mask=valid)
 
 
 @triton.jit
 def _kl_keys_kernel(
-    q_ptr, k_ptr, lse_ptr, qi_ptr, ki_ptr, lsez_ptr, qpos_ptr, qkb_ptr, part_ptr,
-    key_ptr, pair_t_ptr, pair_i_ptr, item_lo_ptr, n_items_ptr, qt_lo_ptr, qt_hi_ptr,
-    Tq, Tk, scale, iscale, grad_scale,
+    q_ptr, k_ptr, lse_ptr, qi_ptr, ki_ptr, lsez_ptr, qpos_ptr, qkb_ptr, part_ptr, pkl_ptr,
+    pdqi_ptr, key_ptr, pair_ptr, item_lo_ptr, n_items_ptr, qt_lo_ptr, qt_hi_ptr,
+    t0, Tq, Tk, scale, iscale, grad_scale,
     s_qt, s_qh, s_kt, s_kh, s_lt, s_it, s_ih, s_jt, s_jh, s_zt, s_pu,
-    HPI: tl.constexpr, HR: tl.constexpr, TOK: tl.constexpr, IPG: tl.constexpr,
-    HPK: tl.constexpr, UNIT: tl.constexpr, D: tl.constexpr, DI: tl.constexpr,
-    BN: tl.constexpr, SPARSE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    HI: tl.constexpr, TOPK: tl.constexpr, HPI: tl.constexpr, HR: tl.constexpr,
+    TOK: tl.constexpr, IPG: tl.constexpr, HPK: tl.constexpr, UNIT: tl.constexpr,
+    D: tl.constexpr, DI: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
+    SPARSE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
+    """Index-key gradient of key rows, one fp32 partial per unit (``part [units, Tk, DI]``).
+
+    Sparse (pass B): persistent over (unit item, key sub-tile), adds to ``part`` (chunks run
+    one after the other) and writes per-pair partials of the KL (``pkl``) and of ``dq_idx``
+    (``pdqi``, rows ``flat * NSUB + sub``). Dense: one program per key tile and unit, over the
+    query tiles that can see the tile; writes ``part``.
+    """
     UPG: tl.constexpr = IPG // UNIT
+    NSUB: tl.constexpr = BN // KS
+    out_scale = iscale * grad_scale / _DZ_SCALE
     r = tl.arange(0, TOK * HR)
     hl = r % HR
-    c = tl.arange(0, BN)
+    c = tl.arange(0, KS)
     d = tl.arange(0, D)
     di = tl.arange(0, DI)
     if SPARSE:
-        n_items = tl.load(n_items_ptr)
-        for w in range(tl.program_id(0), n_items, tl.num_programs(0)):
-            lo = tl.load(item_lo_ptr + w)
-            hi = tl.load(item_lo_ptr + w + 1)
+        for w in range(tl.program_id(0), tl.load(n_items_ptr) * NSUB, tl.num_programs(0)):
+            lo = tl.load(item_lo_ptr + w // NSUB)
+            hi = tl.load(item_lo_ptr + w // NSUB + 1)
             key = tl.load(key_ptr + lo)
             g = key // UPG // Tk
             unit = g * UPG + key % UPG
             j = unit * UNIT // HPK
-            krow = key // UPG % Tk + c
+            krow = key // UPG % Tk + (w % NSUB) * KS + c
             kmask = krow < Tk
             k64 = krow.to(tl.int64)[:, None]
             kt = tl.load(k_ptr + k64 * s_kt + g * s_kh + d[None, :], mask=kmask[:, None], other=0.0)
             kit = tl.load(ki_ptr + k64 * s_jt + j * s_jh + di[None, :], mask=kmask[:, None],
                           other=0.0)
-            dki = tl.zeros([BN, DI], tl.float32)
+            dki = tl.zeros([KS, DI], tl.float32)
             reach = -1
             for p0 in range(lo, hi, TOK):
-                pr = p0 + r // HR
-                on = pr < hi
-                t = tl.load(pair_t_ptr + pr, mask=on, other=0)
-                i = tl.load(pair_i_ptr + pr, mask=on, other=0)
-                dki, rr = _kl_keys_step(dki, kt, kit, krow, kmask, t, i, hl, on & (hl < HPI),
-                                        q_ptr, lse_ptr, qi_ptr, lsez_ptr, qpos_ptr, qkb_ptr,
-                                        s_qt, s_qh, s_lt, s_it, s_ih, s_zt, scale, iscale,
-                                        HPI, HR, TOK, D, DI, UPCAST, IEEE)
+                flat, t, i, hl, valid = pair_rows(pair_ptr, p0, hi, t0, HI, TOPK, HPI, HR, TOK)
+                dz, kl, qi, rr = _kl_tile(kt, kit, krow, kmask, t, i, hl, valid, q_ptr, lse_ptr,
+                                          qi_ptr, lsez_ptr, qpos_ptr, qkb_ptr, s_qt, s_qh, s_lt,
+                                          s_it, s_ih, s_zt, scale, iscale, HPI, HR, TOK, D, DI,
+                                          UPCAST, IEEE)
                 reach = tl.maximum(reach, rr)
-            out = kmask & (krow <= reach)
-            tl.store(part_ptr + unit.to(tl.int64) * s_pu + k64 * DI + di[None, :],
-                     dki * (iscale * grad_scale), mask=out[:, None])
+                dki += mma(tl.trans(dz.to(qi.dtype)), qi, UPCAST, IEEE)
+                dqi = mma(dz.to(kit.dtype), kit, UPCAST, IEEE) * out_scale
+                prow = flat.to(tl.int64) * NSUB + w % NSUB
+                first = valid & (hl == 0)
+                tl.store(pkl_ptr + prow, kl, mask=first)
+                tl.store(pdqi_ptr + prow[:, None] * DI + di[None, :], dqi, mask=first[:, None])
+            out = (kmask & (krow <= reach))[:, None]
+            p_off = unit.to(tl.int64) * s_pu + k64 * DI + di[None, :]
+            tl.store(part_ptr + p_off, tl.load(part_ptr + p_off, mask=out, other=0.0)
+                     + dki * out_scale, mask=out)
     else:
         n = tl.program_id(0)
         unit = tl.program_id(1)
         g = unit // UPG
         j = unit * UNIT // HPK
-        krow = n * BN + c
+        krow = n * KS + c
         kmask = krow < Tk
         k64 = krow.to(tl.int64)[:, None]
         kt = tl.load(k_ptr + k64 * s_kt + g * s_kh + d[None, :], mask=kmask[:, None], other=0.0)
         kit = tl.load(ki_ptr + k64 * s_jt + j * s_jh + di[None, :], mask=kmask[:, None], other=0.0)
-        dki = tl.zeros([BN, DI], tl.float32)
+        dki = tl.zeros([KS, DI], tl.float32)
         a_lo = tl.load(qt_lo_ptr + n)
         a_hi = tl.load(qt_hi_ptr + n)
         for ii in range(UNIT):
             i = unit * UNIT + ii + 0 * r
             for a in range(a_lo, a_hi):
                 t = a * TOK + r // HR
-                dki, rr = _kl_keys_step(dki, kt, kit, krow, kmask, t, i, hl, (t < Tq) & (hl < HPI),
+                dz, _, qi, _ = _kl_tile(kt, kit, krow, kmask, t, i, hl, (t < Tq) & (hl < HPI),
                                         q_ptr, lse_ptr, qi_ptr, lsez_ptr, qpos_ptr, qkb_ptr,
                                         s_qt, s_qh, s_lt, s_it, s_ih, s_zt, scale, iscale,
                                         HPI, HR, TOK, D, DI, UPCAST, IEEE)
-        tl.store(part_ptr + unit.to(tl.int64) * s_pu + k64 * DI + di[None, :],
-                 dki * (iscale * grad_scale), mask=kmask[:, None])
+                dki += mma(tl.trans(dz.to(qi.dtype)), qi, UPCAST, IEEE)
+        tl.store(part_ptr + unit.to(tl.int64) * s_pu + k64 * DI + di[None, :], dki * out_scale,
+                 mask=kmask[:, None])
 
 
 def kl_loss(
@@ -248,54 +282,85 @@ def kl_loss(
     Tk, Hkv, _ = k.shape
     _, Hi, Di = q_idx.shape
     Hik = k_idx.shape[1]
+    dev = q.device
     q, k, lse, q_idx, k_idx = (x.contiguous() for x in (q, k, lse, q_idx, k_idx))
-    sparse = block_idx is not None
     hpi, ipg, hpk = Hq // Hi, Hi // Hkv, Hi // Hik
-    kl_tok = torch.zeros((Tq, Hi), dtype=torch.float32, device=q.device)
-    lse_z = torch.empty_like(kl_tok)
-    dq_idx = torch.empty_like(q_idx) if compute_grad else q_idx.new_empty((0,))
-    if Tq == 0:
-        dk_idx = torch.zeros_like(k_idx) if compute_grad else k_idx.new_empty((0,))
-        return kl_tok.sum(), dq_idx, dk_idx
-    upcast, ieee = dot_flags(q.dtype)
-    bn = block_size if sparse else DENSE_KEY_TILE
-    bidx = block_idx.contiguous() if sparse else q_pos
-    tok, hr = query_tiling(hpi, sparse)
-    _kl_rows_kernel[(triton.cdiv(Tq, tok), Hi)](
-        q, k, lse, q_idx, k_idx, bidx, q_pos, q_kbase, kl_tok, lse_z,
-        dq_idx if compute_grad else q_idx, Tq, Tk, float(softmax_scale), float(index_scale), float(kl_scale),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
-        q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), k_idx.stride(1),
-        bidx.stride(0) if sparse else 0, bidx.stride(1) if sparse else 0, kl_tok.stride(0),
-        HPI=hpi, HR=hr, TOK=tok, IPG=ipg, HPK=hpk, D=D, DI=Di, BN=bn,
-        TOPK=block_idx.shape[2] if sparse else 1, SPARSE=sparse, GRAD=compute_grad,
-        UPCAST=upcast, IEEE=ieee, num_warps=warps_for(tok * hr, max(bn, D, Di)),
-    )
-    value = kl_tok.sum() * kl_scale
-    if not compute_grad:
-        return value, dq_idx, k_idx.new_empty((0,))
-    # Units: index heads sharing one KV group and one index key head.
-    unit = math.gcd(ipg, hpk)
+    unit = math.gcd(ipg, hpk)  # index heads sharing one KV group and one index key head
     n_units = Hi // unit
-    tok, hr = query_tiling(hpi, False)
-    if sparse:
-        rev = build_reverse_index(block_idx, q_pos, q_kbase, Tk, block_size, Hkv, unit)
-        grid = (persistent_programs(q.device, rev.max_items),)
-        tables = (rev.key, rev.pair_t, rev.pair_i, rev.unit_lo, rev.n_units, q_pos, q_pos)
-        part = torch.zeros((n_units, Tk, Di), dtype=torch.float32, device=q.device)
+    if Tq == 0:
+        empty = (torch.zeros_like(q_idx), torch.zeros_like(k_idx)) if compute_grad else (
+            q_idx.new_empty((0,)), k_idx.new_empty((0,)))
+        return torch.zeros((), dtype=torch.float32, device=dev), *empty
+    upcast, ieee = dot_flags(q.dtype)
+    tok, hr = query_tiling(hpi, GATHER_ROWS)
+    scales = (float(softmax_scale), float(index_scale), float(kl_scale))
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
+               q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), k_idx.stride(1))
+    dq_idx = torch.empty_like(q_idx) if compute_grad else q_idx.new_empty((0,))
+    if block_idx is None:
+        ks = KEY_SUBTILE
+        kl_tok = torch.empty((Tq, Hi), dtype=torch.float32, device=dev)
+        lse_z = torch.empty_like(kl_tok)
+        rows_tok, rows_hr = query_tiling(hpi, DENSE_ROWS)
+        _kl_rows_dense_kernel[(triton.cdiv(Tq, rows_tok), Hi)](
+            q, k, lse, q_idx, k_idx, q_pos, q_kbase, kl_tok, lse_z,
+            dq_idx if compute_grad else q_idx, Tq, Tk, *scales, *strides, lse_z.stride(0),
+            HPI=hpi, HR=rows_hr, TOK=rows_tok, IPG=ipg, HPK=hpk, D=D, DI=Di, BN=DENSE_KEY_TILE,
+            GRAD=compute_grad, UPCAST=upcast, IEEE=ieee, num_warps=warps_for(rows_tok * rows_hr),
+        )
+        value = kl_tok.sum() * kl_scale
+        if not compute_grad:
+            return value, dq_idx, k_idx.new_empty((0,))
+        part = torch.empty((n_units, Tk, Di), dtype=torch.float32, device=dev)
+        qt_lo, qt_hi = query_tile_ranges(q_pos, q_kbase, Tk, tok, ks)
+        _kl_keys_kernel[(triton.cdiv(Tk, ks), n_units)](
+            q, k, lse, q_idx, k_idx, lse_z, q_pos, q_kbase, part, part, part, q_pos, q_pos, q_pos,
+            q_pos, qt_lo, qt_hi, 0, Tq, Tk, *scales, *strides, lse_z.stride(0), part.stride(0),
+            HI=Hi, TOPK=1, HPI=hpi, HR=hr, TOK=tok, IPG=ipg, HPK=hpk, UNIT=unit, D=D, DI=Di,
+            BN=ks, KS=ks, SPARSE=False, UPCAST=upcast, IEEE=ieee,
+            num_warps=warps_for(max(tok * hr, ks)),
+        )
     else:
-        qt_lo, qt_hi = query_tile_ranges(q_pos, q_kbase, Tk, tok, bn)
-        grid = (triton.cdiv(Tk, bn), n_units)
-        tables = (q_pos, q_pos, q_pos, q_pos, q_pos, qt_lo, qt_hi)
-        part = torch.empty((n_units, Tk, Di), dtype=torch.float32, device=q.device)
-    _kl_keys_kernel[grid](
-        q, k, lse, q_idx, k_idx, lse_z, q_pos, q_kbase, part, *tables,
-        Tq, Tk, float(softmax_scale), float(index_scale), float(kl_scale),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
-        q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), k_idx.stride(1), lse_z.stride(0),
-        part.stride(0),
-        HPI=hpi, HR=hr, TOK=tok, IPG=ipg, HPK=hpk, UNIT=unit, D=D, DI=Di, BN=bn,
-        SPARSE=sparse, UPCAST=upcast, IEEE=ieee, num_warps=warps_for(max(tok * hr, bn), max(D, Di)),
-    )
+        block_idx = block_idx.contiguous()
+        top_k = block_idx.shape[2]
+        ks = min(block_size, KEY_SUBTILE)
+        nsub = block_size // ks
+        part = torch.zeros((n_units, Tk, Di), dtype=torch.float32, device=dev)
+        value = torch.zeros((), dtype=torch.float32, device=dev)
+        lse_z = torch.empty((Tq, Hi), dtype=torch.float32, device=dev)
+        per_query = Hi * top_k * (nsub * (Di + 1) + 1) * 4
+        for c0, c1 in query_chunks(Tq, per_query, PARTIAL_BYTES):
+            n = c1 - c0
+            rev = build_reverse_index(block_idx[c0:c1], q_pos[c0:c1], q_kbase[c0:c1], Tk,
+                                      block_size, Hkv, unit)
+            lse_z_part = torch.full((n, Hi, top_k), float("-inf"), dtype=torch.float32, device=dev)
+            _kl_lsez_blocks_kernel[(persistent_programs(dev, rev.max_items),)](
+                q_idx, k_idx, q_pos, q_kbase, lse_z_part, rev.key, rev.pair, rev.unit_lo,
+                rev.n_units, c0, Tk, scales[1], *strides[5:],
+                HI=Hi, TOPK=top_k, UPG=ipg // unit, UNIT=unit, HPK=hpk, DI=Di, BN=block_size,
+                ROWS=GATHER_ROWS, UPCAST=upcast, IEEE=ieee,
+                num_warps=warps_for(GATHER_ROWS),
+            )
+            lse_z[c0:c1] = torch.logsumexp(lse_z_part, dim=2)
+            pkl = torch.zeros(n * Hi * top_k * nsub, dtype=torch.float32, device=dev)
+            pdqi = torch.empty((n * Hi * top_k * nsub, Di), dtype=torch.float32, device=dev)
+            _kl_keys_kernel[(persistent_programs(dev, rev.max_items * nsub),)](
+                q, k, lse, q_idx, k_idx, lse_z, q_pos, q_kbase, part, pkl, pdqi, rev.key,
+                rev.pair, rev.unit_lo, rev.n_units, q_pos, q_pos,
+                c0, Tq, Tk, *scales, *strides, lse_z.stride(0), part.stride(0),
+                HI=Hi, TOPK=top_k, HPI=hpi, HR=hr, TOK=tok, IPG=ipg, HPK=hpk, UNIT=unit, D=D,
+                DI=Di, BN=block_size, KS=ks, SPARSE=True, UPCAST=upcast, IEEE=ieee,
+                num_warps=warps_for(max(tok * hr, ks)),
+            )
+            value = value + pkl.sum() * kl_scale
+            if compute_grad:
+                _dq_combine_kernel[(triton.cdiv(n, GATHER_ROWS), Hi)](
+                    pdqi, block_idx, q_pos, dq_idx, c0, n, block_idx.stride(0),
+                    block_idx.stride(1), q_idx.stride(0), q_idx.stride(1), HI=Hi, TOPK=top_k,
+                    NSUB=nsub, HPI=1, HR=1, TOK=GATHER_ROWS, D=Di, BN=block_size,
+                    num_warps=warps_for(GATHER_ROWS),
+                )
+        if not compute_grad:
+            return value, dq_idx, k_idx.new_empty((0,))
     dk_idx = part.view(Hik, hpk // unit, Tk, Di).sum(1).transpose(0, 1).to(k_idx.dtype)
     return value, dq_idx, dk_idx

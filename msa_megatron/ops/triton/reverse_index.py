@@ -1,9 +1,10 @@
-"""Reverse index of a selection: for every selected key block, the (token, index head) pairs
-that chose it. Built with torch ops (one stable sort, no host sync) once per backward.
+"""Reverse index of a selection: for every selected key block, the (token, index head, slot)
+pairs that chose it. Built with torch ops (one stable sort, no host sync) per chunk of queries.
 
-The key-block-outer kernels walk it: one work item per key block and KV group (dK/dV) or per
-key block and index-head unit (index-key gradient), so each item owns its key rows and the
-backward needs no atomics and is bitwise deterministic (fixed pair order from the stable sort).
+The key-block-outer kernels walk it: one work item per key block and KV group (attention) or
+per key block and unit of index heads (KL), so each item loads its K/V block once for all the
+query rows that selected it, owns its key rows (dK, dV, dk_idx written without atomics) and
+writes per-pair partial results that a fixed-order combine adds up: bitwise deterministic.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ class ReverseIndex:
     Attributes:
         key: ``[P]`` sorted ``((g * Tk + start_row) * units_per_group + unit_in_group)``; pairs
             of unused slots sort last with key ``sentinel``.
-        pair_t, pair_i: ``[P]`` int32 token and index head of each sorted pair.
+        pair: ``[P]`` int32 flat index ``(t * Hi + i) * k + slot`` of each sorted pair.
         group_lo, n_groups: item table per (KV group, key block): pairs
             ``group_lo[w] .. group_lo[w+1]`` for ``w < n_groups`` (``n_groups`` is ``[1]`` int32).
         unit_lo, n_units: the same per (KV group, key block, unit of index heads).
@@ -28,8 +29,7 @@ class ReverseIndex:
     """
 
     key: torch.Tensor
-    pair_t: torch.Tensor
-    pair_i: torch.Tensor
+    pair: torch.Tensor
     group_lo: torch.Tensor
     n_groups: torch.Tensor
     unit_lo: torch.Tensor
@@ -77,12 +77,11 @@ def build_reverse_index(
     if sentinel < 2**31 - 1:
         key = key.to(torch.int32)
     key, order = torch.sort(key, stable=True)
-    pair_t = (order // (Hi * K)).to(torch.int32)
-    pair_i = ((order // K) % Hi).to(torch.int32)
     max_items = max(1, min(key.numel(), num_kv_heads * upg * num_keys))
     group_lo, n_groups = _segments(key // upg, num_kv_heads * num_keys, max_items)
     unit_lo, n_units = _segments(key, sentinel, max_items)
-    return ReverseIndex(key, pair_t, pair_i, group_lo, n_groups, unit_lo, n_units, max_items)
+    return ReverseIndex(key, order.to(torch.int32), group_lo, n_groups, unit_lo, n_units,
+                        max_items)
 
 
 def query_tile_ranges(

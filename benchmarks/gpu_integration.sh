@@ -24,20 +24,20 @@ for step in $steps; do
     echo "=== $step ($(date +%T))"
     case $step in
     megatron)
-        timeout 240 python3 tests/megatron/gpu_check.py --backend triton 2>&1 | tee "$OUT/megatron_gpu.log" | tail -25
+        MSA_TEST_DEVICE=cuda MSA_TEST_BACKEND=triton timeout 120 python3 -m pytest -q -x -rs tests/megatron/test_megatron_tp.py tests/megatron/test_megatron_cp.py tests/megatron/test_megatron_tp_share.py tests/megatron/test_megatron_recompute.py tests/megatron/test_megatron_spec.py tests/megatron/test_megatron_modes.py 2>&1 | tee "$OUT/megatron_gpu.log" | tail -25
         ;;
     cp)
-        timeout 300 torchrun --nproc-per-node 2 benchmarks/bench_cp.py "$OUT/cp_h200x2.json" \
-            --seqlens 65536 131072 262144 --iters 3 2>&1 | tee "$OUT/cp.log" | tail -30
+        timeout 190 torchrun --nproc-per-node 2 benchmarks/bench_cp.py "$OUT/cp_h200x2.json" \
+            --seqlens 65536 131072 262144 --dists iid --iters 3 2>&1 | tee "$OUT/cp.log" | tail -30
         ;;
     tiny)
-        timeout 150 torchrun --nproc-per-node 2 examples/pretrain_tiny.py --device cuda --tp 2 \
-            --steps 60 --warmup-steps 20 --out-dir "$OUT/tiny" 2>&1 | tee "$OUT/tiny.log" | tail -12
+        timeout 80 torchrun --nproc-per-node 2 examples/pretrain_tiny.py --device cuda --tp 2 \
+            --steps 30 --warmup-steps 10 --no-baseline --out-dir "$OUT/tiny" 2>&1 | tee "$OUT/tiny.log" | tail -12
         ;;
     megatron_lm)
         TP=2 CP=1 SEQ_LEN=4096 NUM_LAYERS=2 HIDDEN=1024 FFN_HIDDEN=2816 HEADS=8 QUERY_GROUPS=2 \
         GLOBAL_BATCH=2 TRAIN_ITERS=6 MSA_WARMUP_STEPS=3 TRANSFORMER_IMPL=local OUT_DIR=/tmp/mlm \
-        GPUS_PER_NODE=2 timeout 200 bash examples/megatron_lm/train_single_node.sh \
+        GPUS_PER_NODE=2 timeout 90 bash examples/megatron_lm/train_single_node.sh \
             --log-interval 1 --save-interval 100000 --eval-interval 100000 \
             2>&1 | tee "$OUT/megatron_lm.log" | tail -25
         ;;

@@ -12,6 +12,15 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+
+# Triton kernels run in Triton's CPU interpreter when there is no GPU. The variable must be set
+# before anything imports triton, so it is set here, first. (nvidia-smi is checked instead of
+# torch.cuda so that torch is not imported before the variable is set.)
+if shutil.which("nvidia-smi") is None and os.environ.get("MSA_TEST_DEVICE") != "cuda":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import zlib
 from typing import Dict, Optional, Sequence
 

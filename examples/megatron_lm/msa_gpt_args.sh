@@ -81,8 +81,12 @@ MSA_GPT_ARGS=(
     --msa-warmup-steps "$MSA_WARMUP_STEPS"
     --msa-cp-kv-exchange "$MSA_CP_KV_EXCHANGE"
 )
-if [ "$TP" -gt 1 ]; then
-    MSA_GPT_ARGS+=(--sequence-parallel)
+if [ "$TP" -gt 1 ] && [ "$TRANSFORMER_IMPL" = transformer_engine ]; then
+    MSA_GPT_ARGS+=(--sequence-parallel)   # megatron's local torch norms reject sequence parallel
+fi
+if [ "$TRANSFORMER_IMPL" = local ]; then
+    # The fused RoPE kernel and persistent layer norm come from Transformer Engine / Apex.
+    MSA_GPT_ARGS+=(--no-rope-fusion --no-persist-layer-norm)
 fi
 if [ -n "$DATA_PATH" ]; then
     # shellcheck disable=SC2206  # DATA_PATH is a Megatron blend: "weight prefix [weight prefix ...]"

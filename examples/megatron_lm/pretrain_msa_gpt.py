@@ -177,7 +177,19 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
 train_valid_test_datasets_provider.is_distributed = True
 
 
+def _use_prebuilt_dataset_helpers() -> None:
+    """megatron.training compiles the dataset index helpers with ``make`` on rank 0; the
+    megatron-core wheel ships them prebuilt and without a Makefile, so skip the build then."""
+    import importlib.util
+
+    import megatron.core.datasets.utils as dataset_utils
+
+    if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is not None:
+        dataset_utils.compile_helpers = lambda: None
+
+
 def main() -> None:
+    _use_prebuilt_dataset_helpers()
     args = parse_and_validate_args(extra_args_provider=add_msa_args,
                                    args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
     model_cfg = gpt_config_from_args(args)

@@ -18,12 +18,13 @@ import pytest  # noqa: E402
 from msa_megatron import reference as ref  # noqa: E402
 from msa_megatron.ops.api import msa_attention  # noqa: E402
 from msa_megatron.ops.layout import query_layout  # noqa: E402
+from tests.conftest import assert_selection_equal, check_selection_structure, rel_err  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # Relative error bars (norm of the difference over the norm of the fp64 oracle).
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
 # Block scores closer than this (fp32 ranking vs fp32 oracle) count as a near-tie.
-TIE_TOL = 1e-4
+TIE_TOL = 1e-3
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -73,39 +74,37 @@ def _triton():
 
 
 def _layout(lens, gen_cp=False):
-    """``(q_pos, q_kbase, Tk, rows)``: THD sequences, or a CP-like layout (Tk > Tq).
+    """``(q_pos, q_kbase, Tk, rows, cu_seqlens)``: THD sequences, or a CP-like layout (Tk > Tq).
 
     ``gen_cp``: one sequence of ``sum(lens)`` keys whose queries are chunks 0 and 3 of 4 (the
-    load-balanced layout of rank 0 at CP = 2); ``rows`` are the query rows of the full sequence.
+    load-balanced layout of rank 0 at CP = 2; ``cu_seqlens`` is then None); ``rows`` are the
+    query rows of the full sequence.
     """
     total = sum(lens)
     if gen_cp:
         q = total // 4
         rows = torch.cat([torch.arange(0, q), torch.arange(3 * q, total)])
         return (rows.to(torch.int32).to(DEVICE), torch.zeros(rows.numel(), dtype=torch.int32,
-                device=DEVICE), total, rows.to(DEVICE))
+                device=DEVICE), total, rows.to(DEVICE), None)
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEVICE)
     q_pos, q_kbase = query_layout(cu, total, DEVICE)
-    return q_pos, q_kbase, total, torch.arange(total, device=DEVICE)
+    return q_pos, q_kbase, total, torch.arange(total, device=DEVICE), cu
 
 
 def _randn(*shape, dtype):
     return torch.randn(*shape, device=DEVICE, dtype=torch.float32).to(dtype)
 
 
-def _rel(x, y):
-    return ((x.double() - y.double()).norm() / y.double().norm().clamp_min(1e-30)).item()
-
-
-def assert_selection_equal(got, want, q_idx, k_idx, q_pos, q_kbase, block_size, index_scale=None):
-    """Equal selections, except near-ties (MSA_SPEC 2.6): there each chosen block's oracle
-    score must be >= the oracle's worst chosen score minus TIE_TOL, with the same count."""
+def _assert_selection_equal_general(got, want, q_idx, k_idx, q_pos, q_kbase, block_size):
+    """:func:`tests.conftest.assert_selection_equal` for a general query layout (no
+    ``cu_seqlens``): equal except near-ties, where each chosen block's oracle score must be >=
+    the oracle's worst chosen score minus TIE_TOL, with the same count."""
     assert got.shape == want.shape and got.dtype == torch.int32
     diff = (got != want).any(dim=2)
     if not diff.any():
         return
     scores = ref.block_scores_reference(q_idx.float(), k_idx.float(), q_pos, q_kbase,
-                                        block_size=block_size, index_scale=index_scale)
+                                        block_size=block_size)
     for t, i in diff.nonzero().tolist():
         g, w = got[t, i], want[t, i]
         assert (g >= 0).sum() == (w >= 0).sum(), f"row ({t}, {i}): {g.tolist()} vs {w.tolist()}"
@@ -131,7 +130,7 @@ SELECT_CASES = [
 @pytest.mark.parametrize("case", SELECT_CASES, ids=lambda c: f"{c[0]}-Hi{c[1]}-Hik{c[2]}-k{c[5]}")
 def test_select_matches_reference(case):
     lens, hi, hik, di, block, top_k, init, local, dtype, cp = case
-    q_pos, q_kbase, tk, rows = _layout(lens, cp)
+    q_pos, q_kbase, tk, rows, cu = _layout(lens, cp)
     q_idx = _randn(tk, hi, di, dtype=dtype)[rows]
     k_idx = _randn(tk, hik, di, dtype=dtype)
     got = _triton().select(q_idx, k_idx, q_pos, q_kbase, block_size=block, top_k=top_k,
@@ -139,12 +138,17 @@ def test_select_matches_reference(case):
     want = ref.select_core_reference(q_idx.float(), k_idx.float(), q_pos, q_kbase,
                                      block_size=block, top_k=top_k, init_blocks=init,
                                      local_blocks=local)
-    assert_selection_equal(got, want, q_idx, k_idx, q_pos, q_kbase, block)
+    options = dict(block_size=block, top_k=top_k, init_blocks=init, local_blocks=local)
+    if cu is None:
+        check_selection_structure(got.cpu(), q_pos.cpu(), **options)
+        _assert_selection_equal_general(got, want, q_idx, k_idx, q_pos, q_kbase, block)
+    else:
+        assert_selection_equal(got, want, q_idx.float(), k_idx.float(), cu, **options)
 
 
 def test_select_breaks_ties_to_the_lower_block():
     """Equal block scores (repeated index keys) must pick the lower block numbers."""
-    q_pos, q_kbase, tk, _ = _layout([96])
+    q_pos, q_kbase, tk, _, _ = _layout([96])
     k_idx = _randn(16, 1, 16, dtype=torch.float32).repeat(6, 1, 1)  # every block identical
     q_idx = _randn(tk, 2, 16, dtype=torch.float32)
     got = _triton().select(q_idx, k_idx, q_pos, q_kbase, block_size=16, top_k=3)
@@ -157,15 +161,15 @@ def test_select_breaks_ties_to_the_lower_block():
 # ---------------------------------------------------------------- main attention
 ATTN_CASES = [
     # lens, Hq, Hkv, Hi, D, block, top_k, dtype, cp-like layout
-    ([48], 2, 2, 2, 16, 16, 3, torch.float32, False),  # G = 1
-    ([24, 0, 17, 9], 16, 1, 1, 32, 16, 2, torch.float16, False),  # G = 16, zero-length doc
+    ([150], 2, 2, 2, 16, 16, 3, torch.float32, False),  # G = 1
+    ([60, 0, 37, 9], 16, 1, 1, 32, 16, 3, torch.float16, False),  # G = 16, zero-length doc
     ([30, 1, 17], 4, 1, 2, 16, 16, 2, torch.float16, False),  # Hi > Hkv, partial blocks
     ([64], 4, 2, 2, 16, 16, 2, torch.bfloat16, True),  # Tk > Tq
 ]
 
 
 def _attention_inputs(lens, hq, hkv, hi, d, dtype, cp):
-    q_pos, q_kbase, tk, rows = _layout(lens, cp)
+    q_pos, q_kbase, tk, rows, _ = _layout(lens, cp)
     q = _randn(tk, hq, d, dtype=dtype)[rows]
     k, v = _randn(tk, hkv, d, dtype=dtype), _randn(tk, hkv, d, dtype=dtype)
     return q, k, v, q_pos, q_kbase
@@ -201,11 +205,11 @@ def test_attention_matches_reference(case, dense):
                                                   block_size=block, index_heads=hi)
     want_grads = torch.autograd.grad(want, (q64, k64, v64), dout.double())
     assert out.dtype == dtype and lse.dtype == torch.float32
-    assert _rel(out, want) < TOL[dtype]
+    assert rel_err(out, want) < TOL[dtype]
     assert (lse.double() - want_lse).abs().max().item() < 1e-4
     for name, got, exp in zip("qkv", (dq, dk, dv), want_grads):
         assert got.dtype == dtype
-        assert _rel(got, exp) < 2 * TOL[dtype], name
+        assert rel_err(got, exp) < 2 * TOL[dtype], name
 
 
 @pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
@@ -247,16 +251,16 @@ def test_chunks_and_key_subtiles_match_reference(monkeypatch):
                                     q_kbase, block_size=32)
     want_grads = torch.autograd.grad((want, want_kl), leaves, (dout.double(),
                                                                torch.ones_like(want_kl)))
-    assert _rel(out, want) < TOL[torch.float32]
+    assert rel_err(out, want) < TOL[torch.float32]
     assert abs(kl.item() - want_kl.item()) <= 1e-4 * abs(want_kl.item())
     for name, got, exp in zip(("q", "k", "v", "q_idx", "k_idx"), grads, want_grads):
-        assert _rel(got, exp) < 2 * TOL[torch.float32], name
+        assert rel_err(got, exp) < 2 * TOL[torch.float32], name
 
 
 # ---------------------------------------------------------------- KL
 KL_CASES = [
     # lens, Hq, Hkv, Hi, Hik, D, Di, block, top_k, dtype
-    ([40], 4, 2, 2, 1, 16, 16, 16, 2, torch.float32),
+    ([120], 4, 2, 2, 1, 16, 16, 16, 3, torch.float32),
     ([24, 0, 17, 9], 16, 1, 1, 1, 32, 16, 16, 2, torch.float16),
     ([20, 1, 17], 8, 2, 4, 2, 16, 32, 16, 2, torch.float16),  # Hik > 1, Di != D
     ([20, 19], 4, 2, 4, 4, 16, 16, 16, 2, torch.float32),  # Hik > Hkv: per-head units
@@ -285,8 +289,8 @@ def test_kl_matches_reference(case, dense):
     assert value.dtype == torch.float32 and value.dim() == 0
     assert abs(value.item() - want.item()) <= 1e-4 * abs(want.item()) + 1e-6
     assert dq_idx.dtype == dtype and dk_idx.dtype == dtype
-    assert _rel(dq_idx, want_dq) < 2 * TOL[dtype]
-    assert _rel(dk_idx, want_dk) < 2 * TOL[dtype]
+    assert rel_err(dq_idx, want_dq) < 2 * TOL[dtype]
+    assert rel_err(dk_idx, want_dk) < 2 * TOL[dtype]
 
 
 # ---------------------------------------------------------------- whole op
@@ -305,10 +309,10 @@ def test_msa_attention_matches_reference(mode):
     want_in = [x.double().requires_grad_() for x in inputs]
     want_out, want_kl = ref.msa_attention_reference(*want_in, cu, **options)
     ((want_out * w.double()).sum() + 3.0 * want_kl).backward()
-    assert _rel(out, want_out) < TOL[torch.float32]
+    assert rel_err(out, want_out) < TOL[torch.float32]
     assert abs(kl.item() - want_kl.item()) <= 1e-4 * abs(want_kl.item())
     for name, a, b in zip(("q", "k", "v", "q_idx", "k_idx"), got_in, want_in):
-        assert _rel(a.grad, b.grad) < 2 * TOL[torch.float32], name
+        assert rel_err(a.grad, b.grad) < 2 * TOL[torch.float32], name
 
 
 def test_compiles_fullgraph():

@@ -13,10 +13,12 @@ import torch
 import triton
 import triton.language as tl
 
-# Rows of one matrix-unit tile: tl.dot needs M, N, K >= 16; a Hopper warpgroup MMA wants 64.
-MIN_DOT_ROWS = 16
-# Rows (token x head pairs) packed into one tile by the kernels that gather queries.
+# Rows (token x head pairs) packed into one tile by the kernels that gather queries (tl.dot needs
+# >= 16 rows; a Hopper warpgroup MMA wants 64).
 GATHER_ROWS = 64
+# Rows of the KL kernels' gathered tiles (measured on H200, paper 32K: 128 rows cut the KL from
+# 62 to 39 ms, while the attention kernels are faster with GATHER_ROWS; benchmarks/NOTES.md).
+KL_ROWS = 128
 # Rows of one query tile of the dense (warmup) kernels: more tokens share each K/V tile load.
 DENSE_ROWS = 128
 # Key-tile width of the dense (warmup) kernels.

@@ -178,11 +178,12 @@ def _attn_bwd_dkdv_dense_kernel(
 
 
 @triton.jit
-def _dq_combine_kernel(
+def sum_partials_kernel(
     pdq_ptr, bidx_ptr, qpos_ptr, dq_ptr, t0, Tc, s_bt, s_bh, s_qt, s_qh,
     HI: tl.constexpr, TOPK: tl.constexpr, NSUB: tl.constexpr, HPI: tl.constexpr,
     HR: tl.constexpr, TOK: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
 ):
+    """``dq[t, h] = sum`` of the row's (slot, sub-tile) partials, in slot order (dQ, dq_idx)."""
     t, h, valid, dq, _ = combine_rows(pdq_ptr, pdq_ptr, bidx_ptr, qpos_ptr, tl.program_id(0),
                                       tl.program_id(1), t0, Tc, s_bt, s_bh, HI, TOPK, NSUB, HPI,
                                       HR, TOK, D, BN, False)
@@ -254,7 +255,7 @@ def attention_backward(
             HI=hi, TOPK=top_k, HPI=hpi, HR=hr, TOK=tok, D=D, BN=block_size, KS=ks,
             UPCAST=upcast, IEEE=ieee, num_warps=warps_for(max(tok * hr, ks)),
         )
-        _dq_combine_kernel[(triton.cdiv(c1 - c0, tok), hi)](
+        sum_partials_kernel[(triton.cdiv(c1 - c0, tok), hi)](
             part, block_idx, q_pos, dq, c0, c1 - c0, block_idx.stride(0), block_idx.stride(1),
             q.stride(0), q.stride(1), HI=hi, TOPK=top_k, NSUB=nsub, HPI=hpi, HR=hr, TOK=tok,
             D=D, BN=block_size, num_warps=warps_for(tok * hr),

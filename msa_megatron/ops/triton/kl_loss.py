@@ -30,15 +30,15 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    DENSE_KEY_TILE, DENSE_ROWS, GATHER_ROWS, KEY_SUBTILE, PARTIAL_BYTES, dot_flags, mma,
-    persistent_programs, query_chunks, support_mask, token_mean,
+    DENSE_KEY_TILE, DENSE_ROWS, GATHER_ROWS, KEY_SUBTILE, KL_ROWS, PARTIAL_BYTES, dot_flags,
+    mma, persistent_programs, query_chunks, support_mask, token_mean,
 )
-from .backward import _dq_combine_kernel
+from .backward import sum_partials_kernel
 from .forward import pair_rows, query_rows, query_tiling, warps_for
 from .reverse_index import build_reverse_index, query_tile_ranges
 
-# dz = Qs - T lies in [-1, 1]; it is scaled by this power of two before the fp16/bf16 matrix
-# products (exact) so small differences stay normal numbers in fp16.
+# dz = Qs - T lies in [-1, 1]; it is scaled by this power of two (exact) before being rounded to
+# fp16/bf16 for the matrix products, so small differences keep their precision in fp16.
 _DZ_SCALE = tl.constexpr(4096.0)
 
 
@@ -292,7 +292,7 @@ def kl_loss(
             q_idx.new_empty((0,)), k_idx.new_empty((0,)))
         return torch.zeros((), dtype=torch.float32, device=dev), *empty
     upcast, ieee = dot_flags(q.dtype)
-    tok, hr = query_tiling(hpi, GATHER_ROWS)
+    tok, hr = query_tiling(hpi, KL_ROWS if block_idx is not None else GATHER_ROWS)
     scales = (float(softmax_scale), float(index_scale), float(kl_scale))
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
                q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), k_idx.stride(1))
@@ -338,8 +338,7 @@ def kl_loss(
                 q_idx, k_idx, q_pos, q_kbase, lse_z_part, rev.key, rev.pair, rev.unit_lo,
                 rev.n_units, c0, Tk, scales[1], *strides[5:],
                 HI=Hi, TOPK=top_k, UPG=ipg // unit, UNIT=unit, HPK=hpk, DI=Di, BN=block_size,
-                ROWS=GATHER_ROWS, UPCAST=upcast, IEEE=ieee,
-                num_warps=warps_for(GATHER_ROWS),
+                ROWS=KL_ROWS, UPCAST=upcast, IEEE=ieee, num_warps=warps_for(KL_ROWS),
             )
             lse_z[c0:c1] = torch.logsumexp(lse_z_part, dim=2)
             pkl = torch.zeros(n * Hi * top_k * nsub, dtype=torch.float32, device=dev)
@@ -354,7 +353,7 @@ def kl_loss(
             )
             value = value + pkl.sum() * kl_scale
             if compute_grad:
-                _dq_combine_kernel[(triton.cdiv(n, GATHER_ROWS), Hi)](
+                sum_partials_kernel[(triton.cdiv(n, GATHER_ROWS), Hi)](
                     pdqi, block_idx, q_pos, dq_idx, c0, n, block_idx.stride(0),
                     block_idx.stride(1), q_idx.stride(0), q_idx.stride(1), HI=Hi, TOPK=top_k,
                     NSUB=nsub, HPI=1, HR=1, TOK=GATHER_ROWS, D=Di, BN=block_size,

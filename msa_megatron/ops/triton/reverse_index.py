@@ -16,22 +16,19 @@ import torch
 
 @dataclass
 class ReverseIndex:
-    """Selected (token, index head) pairs sorted by the key block they selected.
+    """Selected (token, index head, slot) pairs sorted by the key block they selected.
 
     Attributes:
         key: ``[P]`` sorted ``((g * Tk + start_row) * units_per_group + unit_in_group)``; pairs
             of unused slots sort last with key ``sentinel``.
         pair: ``[P]`` int32 flat index ``(t * Hi + i) * k + slot`` of each sorted pair.
-        group_lo, n_groups: item table per (KV group, key block): pairs
-            ``group_lo[w] .. group_lo[w+1]`` for ``w < n_groups`` (``n_groups`` is ``[1]`` int32).
-        unit_lo, n_units: the same per (KV group, key block, unit of index heads).
+        unit_lo, n_units: work items, one per (KV group, key block, unit of index heads): pairs
+            ``unit_lo[w] .. unit_lo[w+1]`` for ``w < n_units`` (``n_units`` is ``[1]`` int32).
         max_items: host-side bound on the item count (sizes the persistent grids).
     """
 
     key: torch.Tensor
     pair: torch.Tensor
-    group_lo: torch.Tensor
-    n_groups: torch.Tensor
     unit_lo: torch.Tensor
     n_units: torch.Tensor
     max_items: int
@@ -54,6 +51,9 @@ def build_reverse_index(
 ) -> ReverseIndex:
     """Sort the selected pairs of ``block_idx [Tq, Hi, k]`` by (KV group, key block, unit).
 
+    ``block_idx``, ``q_pos`` and ``q_kbase`` may be a chunk of the queries: pair indices are
+    relative to the chunk.
+
     Args:
         block_idx: ``[Tq, Hi, k]`` int32 selection (``-1`` unused; blocks past the query's own
             block are ignored as unused).
@@ -61,7 +61,8 @@ def build_reverse_index(
         num_keys: Tk, rows of the key buffer.
         block_size: B.
         num_kv_heads: Hkv.
-        unit_heads: index heads per unit (a divisor of ``Hi/Hkv``).
+        unit_heads: index heads per unit (a divisor of ``Hi/Hkv``; ``Hi/Hkv`` gives one item
+            per (KV group, key block), as the attention kernels use).
     """
     Tq, Hi, K = block_idx.shape
     dev = block_idx.device
@@ -78,10 +79,8 @@ def build_reverse_index(
         key = key.to(torch.int32)
     key, order = torch.sort(key, stable=True)
     max_items = max(1, min(key.numel(), num_kv_heads * upg * num_keys))
-    group_lo, n_groups = _segments(key // upg, num_kv_heads * num_keys, max_items)
     unit_lo, n_units = _segments(key, sentinel, max_items)
-    return ReverseIndex(key, order.to(torch.int32), group_lo, n_groups, unit_lo, n_units,
-                        max_items)
+    return ReverseIndex(key, order.to(torch.int32), unit_lo, n_units, max_items)
 
 
 def query_tile_ranges(
@@ -103,8 +102,8 @@ def query_tile_ranges(
     kb = torch.nn.functional.pad(kb, (0, pad), value=num_keys)
     reach = torch.nn.functional.pad(reach, (0, pad), value=-1)
     reach_max = torch.cummax(reach.view(n_tiles, tokens).amax(1), 0).values
-    base_min = torch.flip(torch.cummin(torch.flip(kb.view(n_tiles, tokens).amin(1), (0,)), 0).values,
-                          (0,))
+    tile_min = torch.flip(kb.view(n_tiles, tokens).amin(1), (0,))
+    base_min = torch.flip(torch.cummin(tile_min, 0).values, (0,))
     first = torch.arange(0, num_keys, key_tile, device=dev, dtype=torch.int64)
     lo = torch.searchsorted(reach_max, first)
     hi = torch.searchsorted(base_min, first + key_tile - 1, right=True)

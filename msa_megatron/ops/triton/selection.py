@@ -18,8 +18,8 @@ import triton.language as tl
 
 from ._common import dot_flags, mma, next_pow2
 
-# Rows (tokens x heads) of one selection tile.
-SELECT_ROWS = 64
+# Rows (tokens x heads) of one selection tile (128: 2.1 ms vs 2.8 ms for 64 at paper 32K, H200).
+SELECT_ROWS = 128
 # Ranking key of a block (int64, larger is better): class << 60 | ordered fp32 score << 28 |
 # (2^28 - 1 - block). Class 2 = forced, 1 = eligible by score, 0 = empty slot. The low bits make
 # equal scores rank the lower block first, exactly the tie rule of MSA_SPEC 2.4.
@@ -116,8 +116,9 @@ def select_blocks_triton(
 
     Returns:
         ``[Tq, Hi, top_k]`` int32 block numbers relative to the sequence start, ascending,
-        ``-1`` in unused slots. Scores are fp32 from the input dtype; ties go to the lower block;
-        NaN block scores rank below every other score.
+        ``-1`` in unused slots. Scores are fp32 from the input dtype; ties go to the lower block.
+        NaN inputs never break the result's structure: the GPU block max skips NaN scores and a
+        block whose max is NaN ranks below every other (the oracle ranks NaN first).
     """
     Tq, Hi, Di = q_idx.shape
     Tk, Hik, _ = k_idx.shape
@@ -138,6 +139,6 @@ def select_blocks_triton(
         out.stride(0), out.stride(1),
         HPK=hpk, HR=hr, TOK=tok, DI=Di, BLK=block_size, TOPK=top_k, K_P2=next_pow2(top_k),
         INIT=init_blocks, LOCAL=local_blocks, UPCAST=upcast, IEEE=ieee,
-        num_warps=4 if rows * block_size <= 64 * 64 else 8,
+        num_warps=4 if rows <= 64 else 8,
     )
     return out

@@ -30,7 +30,8 @@ Kernel contracts (all scales are already resolved floats; ``block_idx=None`` is 
   index_scale, kl_scale, compute_grad) -> (kl 0-dim float32, dq_idx, dk_idx)``. The KL is a
   scalar, so its input gradients are computed in the same pass as the value (no second pass
   over the support): ``dq_idx`` / ``dk_idx`` are ``d kl / d q_idx`` and ``d kl / d k_idx`` in the
-  dtypes of q_idx / k_idx when ``compute_grad`` is true, and empty ``[0]`` tensors otherwise.
+  accumulation dtype (float32; float64 for float64 inputs: they are tiny, ~1/(N*Hi), and would
+  underflow in fp16) when ``compute_grad`` is true, and empty ``[0]`` tensors otherwise.
   The backward only multiplies them by the incoming gradient. q, k and lse get no gradient.
 """
 
@@ -81,7 +82,9 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _grad_or_empty(t: torch.Tensor, compute_grad: bool) -> torch.Tensor:
-    return torch.empty_like(t) if compute_grad else t.new_empty((0,))
+    if not compute_grad:
+        return t.new_empty((0,))
+    return torch.empty_like(t, dtype=accumulation_dtype(t.dtype))
 
 
 def register_backend_ops(prefix: str, kernels: BackendKernels) -> SimpleNamespace:
@@ -152,10 +155,14 @@ def register_backend_ops(prefix: str, kernels: BackendKernels) -> SimpleNamespac
         _, dq_idx, dk_idx = output
         ctx.save_for_backward(dq_idx, dk_idx)
         ctx.mark_non_differentiable(dq_idx, dk_idx)
+        ctx.dtypes = (inputs[3].dtype, inputs[4].dtype)
 
     def kl_backward(ctx, dkl, ddq_idx, ddk_idx):
+        # The saved gradients are kept in the accumulation dtype: with kl_scale = 1/(N*Hi) they
+        # sit near 1e-7, below fp16's normal range, so they are scaled first and cast last.
         dq_idx, dk_idx = ctx.saved_tensors
-        return (None, None, None, dq_idx * dkl, dk_idx * dkl,
+        q_dtype, k_dtype = ctx.dtypes
+        return (None, None, None, (dq_idx * dkl).to(q_dtype), (dk_idx * dkl).to(k_dtype),
                 None, None, None, None, None, None, None, None)
 
     kl_op.register_autograd(kl_backward, setup_context=kl_setup)

@@ -355,7 +355,7 @@ def kl_kernel(
     tiny = torch.finfo(acc).tiny  # log(T + tiny): 0 log 0 = 0 with no NaN and no branch
     total = torch.zeros((), dtype=acc, device=q.device)
     if compute_grad:
-        dq_idx = torch.zeros_like(q_idx)
+        dq_idx = torch.zeros(q_idx.shape, dtype=acc, device=q_idx.device)
         dk_idx = torch.zeros(k_idx.shape, dtype=acc, device=k_idx.device)
     for ch in _plan_chunks(q_pos, q_kbase, Hq):
         sup = _chunk_support(ch, q_pos, block_idx, block_size, acc)
@@ -377,14 +377,13 @@ def kl_kernel(
         total += entropy_term - cross_term
         if compute_grad:
             dz = _group_major(student.sub_(teacher), Hik)
-            dq_idx[rows] = _token_major(torch.bmm(dz, ki).mul_(kl_scale * index_scale),
-                                        C).to(q_idx.dtype)
+            dq_idx[rows] = _token_major(torch.bmm(dz, ki).mul_(kl_scale * index_scale), C)
             dk_idx.index_put_((sup.rows,), torch.bmm(dz.transpose(1, 2), qi).transpose(0, 1),
                               accumulate=True)
     value = (total * kl_scale).to(torch.float32)
     if not compute_grad:
         return value, q_idx.new_empty((0,)), k_idx.new_empty((0,))
-    return value, dq_idx, dk_idx.mul_(kl_scale).to(k_idx.dtype)
+    return value, dq_idx, dk_idx.mul_(kl_scale)
 
 
 _OPS = register_backend_ops(

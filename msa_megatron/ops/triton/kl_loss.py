@@ -288,7 +288,8 @@ def kl_loss(
     unit = math.gcd(ipg, hpk)  # index heads sharing one KV group and one index key head
     n_units = Hi // unit
     if Tq == 0:
-        empty = (torch.zeros_like(q_idx), torch.zeros_like(k_idx)) if compute_grad else (
+        empty = (torch.zeros_like(q_idx, dtype=torch.float32),
+                 torch.zeros_like(k_idx, dtype=torch.float32)) if compute_grad else (
             q_idx.new_empty((0,)), k_idx.new_empty((0,)))
         return torch.zeros((), dtype=torch.float32, device=dev), *empty
     upcast, ieee = dot_flags(q.dtype)
@@ -296,7 +297,8 @@ def kl_loss(
     scales = (float(softmax_scale), float(index_scale), float(kl_scale))
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
                q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), k_idx.stride(1))
-    dq_idx = torch.empty_like(q_idx) if compute_grad else q_idx.new_empty((0,))
+    # Gradients stay fp32: ~1/(N*Hi) in size, they would underflow in fp16.
+    dq_idx = torch.empty_like(q_idx, dtype=torch.float32) if compute_grad else q_idx.new_empty((0,))
     if block_idx is None:
         ks = KEY_SUBTILE
         kl_tok = torch.empty((Tq, Hi), dtype=torch.float32, device=dev)
@@ -361,5 +363,5 @@ def kl_loss(
                 )
         if not compute_grad:
             return value, dq_idx, k_idx.new_empty((0,))
-    dk_idx = part.view(Hik, hpk // unit, Tk, Di).sum(1).transpose(0, 1).to(k_idx.dtype)
+    dk_idx = part.view(Hik, hpk // unit, Tk, Di).sum(1).transpose(0, 1).contiguous()
     return value, dq_idx, dk_idx

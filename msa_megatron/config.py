@@ -5,6 +5,7 @@ Source: MSA_SPEC.md sections 1-6. Defaults are the paper / production defaults.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -83,11 +84,15 @@ class MSAConfig:
             raise ValueError(f"MSAConfig.index_head_dim must be >= 1, got {self.index_head_dim}")
         for name in ("softmax_scale", "index_scale"):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+            if value is not None and not (
+                isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+            ):
                 raise ValueError(
-                    f"MSAConfig.{name} must be a positive number or None, got {value!r}")
-        if not isinstance(self.kl_coeff, (int, float)) or self.kl_coeff < 0:
-            raise ValueError(f"MSAConfig.kl_coeff must be a number >= 0, got {self.kl_coeff!r}")
+                    f"MSAConfig.{name} must be a positive finite number or None, got {value!r}")
+        if not (isinstance(self.kl_coeff, (int, float)) and math.isfinite(self.kl_coeff)
+                and self.kl_coeff >= 0):
+            raise ValueError(
+                f"MSAConfig.kl_coeff must be a finite number >= 0, got {self.kl_coeff!r}")
         check_mode(self.mode)
         check_backend(self.backend)
         if self.cp_kv_exchange is not None and self.cp_kv_exchange not in CP_KV_EXCHANGES:

@@ -197,11 +197,12 @@ def kl_core_reference(
         logits = logits.masked_fill(~supp.repeat_interleave(Hq // Hi, dim=0), float("-inf"))
         p = torch.softmax(logits, dim=2)
         teacher = p.reshape(Hi, Hq // Hi, Tq, k.shape[0]).mean(dim=1)  # [Hi, Tq, Tk]
-        log_teacher = torch.where(teacher > 0, torch.log(teacher), torch.zeros_like(teacher))
+        # 0 log 0 = 0; a NaN teacher (non-finite inputs in the row's support) stays NaN.
+        log_teacher = torch.where(teacher == 0, torch.zeros_like(teacher), torch.log(teacher))
     z = index_scores(q_idx, k_idx, index_scale).masked_fill(~supp, float("-inf"))
     log_qs = z - torch.logsumexp(z, dim=2, keepdim=True)
     log_qs = torch.where(supp, log_qs, torch.zeros_like(log_qs))
-    kl = torch.where(teacher > 0, teacher * (log_teacher - log_qs), torch.zeros_like(teacher))
+    kl = torch.where(teacher == 0, torch.zeros_like(teacher), teacher * (log_teacher - log_qs))
     return kl.sum() * kl_scale
 
 

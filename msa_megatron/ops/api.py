@@ -55,7 +55,7 @@ def select_blocks(
     T, Hi, Hik, Di = check_index_inputs(q_idx, k_idx)
     check_cu_seqlens(cu_seqlens, T, q_idx.device)
     name = resolve_backend(backend, q_idx.device)
-    check_backend_limits(name, q_idx.dtype, {"Di": Di}, block_size)
+    check_backend_limits(name, q_idx.dtype, {"Di": Di}, block_size, q_idx.device)
     q_pos, q_kbase = query_layout(cu_seqlens, T, q_idx.device)
     return get_backend(name).select(
         q_idx, k_idx, q_pos, q_kbase, block_size=block_size, top_k=top_k,
@@ -109,7 +109,7 @@ def msa_attention(
     T, Hq, Hkv, D, Hi, Hik, Di = check_main_inputs(q, k, v, q_idx, k_idx)
     check_cu_seqlens(cu_seqlens, T, q.device)
     name = resolve_backend(backend, q.device)
-    check_backend_limits(name, q.dtype, {"D": D, "Di": Di}, block_size)
+    check_backend_limits(name, q.dtype, {"D": D, "Di": Di}, block_size, q.device)
     q_pos, q_kbase = query_layout(cu_seqlens, T, q.device)
     return msa_attention_core(
         q, k, v, q_idx, k_idx, q_pos, q_kbase, backend=name, block_size=block_size,

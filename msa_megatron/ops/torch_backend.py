@@ -249,6 +249,49 @@ def _main_probabilities(
 # ---------------------------------------------------------------------------------------------
 
 
+def _all_finite(*tensors: torch.Tensor) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def _own_support(ch: _Chunk, sup: _Support, index_heads: int):
+    """Yield ``(token, query-head slice, KV group, key rows)`` for every (query, index head) of
+    the chunk, the key rows being that row's own support only."""
+    for c in range(ch.stop - ch.start):
+        for i in range(index_heads):
+            bias = sup.bias[c, i if sup.bias.shape[1] > 1 else 0]
+            yield ch.start + c, i, sup.rows[bias == 0]
+
+
+def _isolated_forward(q, k, v, ch, sup, softmax_scale, index_heads, acc, out, lse) -> None:
+    """Forward of a chunk whose inputs hold NaN/Inf, one (query, index head) at a time over its
+    own support: a GEMM over the chunk's union would multiply the non-finite values by the zero
+    probabilities of rows that never read them (MSA_SPEC section 7: affected rows only)."""
+    hpi, group = q.shape[1] // index_heads, q.shape[1] // k.shape[1]
+    for t, i, rows in _own_support(ch, sup, index_heads):
+        heads, g = slice(i * hpi, (i + 1) * hpi), (i * hpi) // group
+        s = (q[t, heads].to(acc) * softmax_scale) @ k[rows, g].to(acc).T
+        row_lse = torch.logsumexp(s, dim=-1, keepdim=True)
+        out[t, heads] = (torch.exp(s - row_lse) @ v[rows, g].to(acc)).to(out.dtype)
+        lse[t, heads] = row_lse.squeeze(-1)
+
+
+def _isolated_backward(dout, q, k, v, out, ch, sup, softmax_scale, index_heads, acc,
+                       dq, dk, dv) -> None:
+    """Backward twin of :func:`_isolated_forward` (fixed loop order: deterministic)."""
+    hpi, group = q.shape[1] // index_heads, q.shape[1] // k.shape[1]
+    for t, i, rows in _own_support(ch, sup, index_heads):
+        heads, g = slice(i * hpi, (i + 1) * hpi), (i * hpi) // group
+        qs = q[t, heads].to(acc) * softmax_scale
+        kk, vv = k[rows, g].to(acc), v[rows, g].to(acc)
+        p = torch.softmax(qs @ kk.T, dim=-1)
+        do = dout[t, heads].to(acc)
+        delta = (do * out[t, heads].to(acc)).sum(dim=-1, keepdim=True)
+        ds = p * (do @ vv.T - delta)
+        dq[t, heads] = (ds @ kk * softmax_scale).to(dq.dtype)
+        dk[rows, g] += ds.T @ qs
+        dv[rows, g] += p.T @ do
+
+
 def attention_forward_kernel(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: Optional[torch.Tensor],
     q_pos: torch.Tensor, q_kbase: torch.Tensor, block_size: int, softmax_scale: float,
@@ -264,7 +307,6 @@ def attention_forward_kernel(
         out ``[Tq, Hq, D]`` in q.dtype; lse ``[Tq, Hq]`` float32 (float64 for float64 inputs),
         ``-inf`` with a zero output for a query whose support is empty.
     """
-    del index_heads
     Tq, Hq, D = q.shape
     Hkv = k.shape[1]
     acc = accumulation_dtype(q.dtype)
@@ -275,9 +317,13 @@ def attention_forward_kernel(
         if sup.rows.numel() == 0:
             continue
         C = ch.stop - ch.start
+        kc, vc = _gather_rows(k, sup.rows, acc), _gather_rows(v, sup.rows, acc)
+        if not _all_finite(q[ch.start:ch.stop], kc, vc):
+            _isolated_forward(q, k, v, ch, sup, softmax_scale, index_heads, acc, out, lse)
+            continue
         qs = _group_major(q[ch.start:ch.stop].to(acc) * softmax_scale, Hkv)
-        p, m = _main_probabilities(qs, _gather_rows(k, sup.rows, acc), sup.bias, Hq)
-        o = torch.bmm(p, _gather_rows(v, sup.rows, acc))
+        p, m = _main_probabilities(qs, kc, sup.bias, Hq)
+        o = torch.bmm(p, vc)
         out[ch.start:ch.stop] = _token_major(o, C).to(q.dtype)
         lse[ch.start:ch.stop] = _token_major(_row_lse(p, m, _NEG_INF), C).squeeze(-1)
     return out, lse
@@ -294,7 +340,7 @@ def attention_backward_kernel(
     fused softmax over the chunk's full support row (bitwise the forward's P, and on a CPU
     cheaper than ``exp(S - lse)``), so ``lse`` is not read.
     """
-    del lse, index_heads
+    del lse
     Tq, Hq, D = q.shape
     Hkv = k.shape[1]
     acc = accumulation_dtype(q.dtype)
@@ -310,6 +356,10 @@ def attention_backward_kernel(
         qs = _group_major(q[rows].to(acc) * softmax_scale, Hkv)
         kc = _gather_rows(k, sup.rows, acc)
         vc = _gather_rows(v, sup.rows, acc)
+        if not _all_finite(q[rows], kc, vc, dout[rows], out[rows]):
+            _isolated_backward(dout, q, k, v, out, ch, sup, softmax_scale, index_heads, acc,
+                               dq, dk, dv)
+            continue
         p, _ = _main_probabilities(qs, kc, sup.bias, Hq)
         do = _group_major(dout[rows].to(acc), Hkv)
         delta = (do * _group_major(out[rows].to(acc), Hkv)).sum(dim=-1, keepdim=True)

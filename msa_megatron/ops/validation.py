@@ -6,6 +6,7 @@ naming the argument and its shape.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -146,10 +147,17 @@ def check_main_inputs(q, k, v, q_idx, k_idx) -> tuple:
     return Tq, Hq, Hkv, D, Hi, Hik, Di
 
 
-def check_backend_limits(backend: str, dtype: torch.dtype, head_dims: dict, block_size: int) -> None:
-    """Raise if ``backend`` cannot run this dtype / head dim / block size."""
+def check_backend_limits(backend: str, dtype: torch.dtype, head_dims: dict, block_size: int,
+                         device: Optional[torch.device] = None) -> None:
+    """Raise if ``backend`` cannot run this dtype / head dim / block size (/ device)."""
     if backend != "triton":
         return
+    if device is not None and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors, got tensors on {device}; use backend='torch', "
+            "or set TRITON_INTERPRET=1 before triton is imported to run the kernels in Triton's "
+            "CPU interpreter"
+        )
     if dtype not in TRITON_DTYPES:
         raise TypeError(f"backend='triton' supports dtypes {TRITON_DTYPES}, got {dtype}")
     for name, dim in head_dims.items():

@@ -21,6 +21,7 @@ from tests.conftest import (
     assert_selection_equal,
     make_cu_seqlens,
     make_inputs,
+    seed_from,
 )
 from tests.ops.spec_loop import spec_select
 
@@ -417,3 +418,35 @@ def test_empty_support_row_gives_zero_output_and_no_nan(seed):
     assert (out[30, 2:] == 0).all() and (lse[30, 2:] == float("-inf")).all()
     assert torch.isfinite(kl) and all(torch.isfinite(g).all() for g in grads)
     assert torch.equal(out[:30], results[0][0][:30]) and torch.equal(lse[31:], results[0][1][31:])
+
+
+@pytest.mark.parametrize("mode", ["sparse", "dense"])
+@pytest.mark.parametrize("tensor", ["q", "k", "v"])
+def test_non_finite_input_reaches_only_the_rows_that_read_it(mode, tensor):
+    """MSA_SPEC section 7: a NaN/Inf in one row of q, k or v reaches the outputs (and q
+    gradients) of exactly the rows the oracle marks, inside one sequence too; every other row
+    keeps its clean value."""
+    inputs = make_inputs([70, 58], heads=4, kv_heads=2, index_heads=2, dtype=torch.float64,
+                         seed=seed_from(f"nonfinite-{mode}-{tensor}"))
+    options = dict(block_size=16, top_k=2, mode=mode)
+
+    def run(backend, poison):
+        leaves = {n: t.detach().clone().requires_grad_(True) for n, t in inputs.items()
+                  if n != "cu_seqlens"}
+        if poison:
+            with torch.no_grad():
+                leaves[tensor][40, 0, 1] = float("nan") if tensor != "v" else float("inf")
+        out, _ = msa_attention(leaves["q"], leaves["k"], leaves["v"], leaves["q_idx"],
+                               leaves["k_idx"], inputs["cu_seqlens"], backend=backend, **options)
+        out.backward(torch.ones_like(out))
+        return out.detach(), leaves["q"].grad
+
+    clean_out, clean_dq = run("torch", poison=False)
+    ref_out, _ = run("reference", poison=True)
+    got_out, got_dq = run("torch", poison=True)
+    affected = ~torch.isfinite(ref_out).all(dim=-1)  # [T, Hq]
+    assert affected.any() and not affected.all()
+    assert torch.equal(~torch.isfinite(got_out).all(dim=-1), affected)
+    torch.testing.assert_close(got_out[~affected], clean_out[~affected])
+    rows = ~affected.any(dim=1)
+    torch.testing.assert_close(got_dq[rows], clean_dq[rows])

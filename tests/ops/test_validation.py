@@ -227,3 +227,23 @@ def test_config_defaults_are_the_paper_defaults():
     assert (cfg.index_key_heads, cfg.index_head_dim, cfg.mode) == (1, 128, "sparse")
     assert cfg.resolved_index_heads(4) == 4
     assert MSAConfig(index_heads=8).resolved_index_heads(4) == 8
+
+
+def test_triton_on_cpu_without_the_interpreter_names_the_backend(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x = make_inputs([40], dtype=torch.float16, seed=3)
+    with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors"):
+        msa_attention(x["q"], x["k"], x["v"], x["q_idx"], x["k_idx"], x["cu_seqlens"],
+                      block_size=16, top_k=2, backend="triton")
+    with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors"):
+        select_blocks(x["q_idx"], x["k_idx"], x["cu_seqlens"], block_size=16, top_k=2,
+                      backend="triton")
+
+
+@pytest.mark.parametrize("field,value", [("softmax_scale", float("inf")),
+                                         ("index_scale", float("nan")),
+                                         ("kl_coeff", float("nan")),
+                                         ("kl_coeff", float("inf"))])
+def test_msa_config_rejects_non_finite_numbers(field, value):
+    with pytest.raises(ValueError, match=field):
+        MSAConfig(**{field: value})

@@ -253,22 +253,22 @@ def _all_finite(*tensors: torch.Tensor) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
-def _own_support(ch: _Chunk, sup: _Support, index_heads: int):
+def _own_support(ch: _Chunk, sup: _Support, heads: int, kv_heads: int, index_heads: int):
     """Yield ``(token, query-head slice, KV group, key rows)`` for every (query, index head) of
     the chunk, the key rows being that row's own support only."""
+    hpi, group = heads // index_heads, heads // kv_heads
     for c in range(ch.stop - ch.start):
         for i in range(index_heads):
             bias = sup.bias[c, i if sup.bias.shape[1] > 1 else 0]
-            yield ch.start + c, i, sup.rows[bias == 0]
+            heads = slice(i * hpi, (i + 1) * hpi)
+            yield ch.start + c, heads, (i * hpi) // group, sup.rows[bias == 0]
 
 
 def _isolated_forward(q, k, v, ch, sup, softmax_scale, index_heads, acc, out, lse) -> None:
     """Forward of a chunk whose inputs hold NaN/Inf, one (query, index head) at a time over its
     own support: a GEMM over the chunk's union would multiply the non-finite values by the zero
     probabilities of rows that never read them (MSA_SPEC section 7: affected rows only)."""
-    hpi, group = q.shape[1] // index_heads, q.shape[1] // k.shape[1]
-    for t, i, rows in _own_support(ch, sup, index_heads):
-        heads, g = slice(i * hpi, (i + 1) * hpi), (i * hpi) // group
+    for t, heads, g, rows in _own_support(ch, sup, q.shape[1], k.shape[1], index_heads):
         s = (q[t, heads].to(acc) * softmax_scale) @ k[rows, g].to(acc).T
         row_lse = torch.logsumexp(s, dim=-1, keepdim=True)
         out[t, heads] = (torch.exp(s - row_lse) @ v[rows, g].to(acc)).to(out.dtype)
@@ -278,9 +278,7 @@ def _isolated_forward(q, k, v, ch, sup, softmax_scale, index_heads, acc, out, ls
 def _isolated_backward(dout, q, k, v, out, ch, sup, softmax_scale, index_heads, acc,
                        dq, dk, dv) -> None:
     """Backward twin of :func:`_isolated_forward` (fixed loop order: deterministic)."""
-    hpi, group = q.shape[1] // index_heads, q.shape[1] // k.shape[1]
-    for t, i, rows in _own_support(ch, sup, index_heads):
-        heads, g = slice(i * hpi, (i + 1) * hpi), (i * hpi) // group
+    for t, heads, g, rows in _own_support(ch, sup, q.shape[1], k.shape[1], index_heads):
         qs = q[t, heads].to(acc) * softmax_scale
         kk, vv = k[rows, g].to(acc), v[rows, g].to(acc)
         p = torch.softmax(qs @ kk.T, dim=-1)

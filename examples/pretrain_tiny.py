@@ -53,12 +53,17 @@ from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer import TransformerConfig
 
 from msa_megatron import MSAConfig
+from msa_megatron.diagnostics import distance_histogram, sample_rows
 from msa_megatron.megatron import (
+    arm_selection_probe,
     get_gpt_layer_msa_spec,
     get_msa_metrics,
+    index_branch_parameters,
     set_kl_loss_scale,
     set_msa_mode,
 )
+
+import retrieval_task  # noqa: E402  (examples/retrieval_task.py, beside this script)
 
 VOCAB_SIZE = 256  # byte-level tokens
 PAD_TOKEN = 0  # NUL never occurs in Python source; padded positions carry no loss
@@ -98,16 +103,34 @@ def iter_documents(files: Sequence[Path]) -> Iterator[bytes]:
 
 
 @dataclass
+class Answers:
+    """Where a retrieval window's answers are (rows of the whole window, all sequences).
+
+    ``rows``: rows whose label is an answer byte; ``query``: the window-wide question number of
+    each such row; ``first_rows``: per question, the row predicting its first value byte (the
+    row that must find the record); ``record_blocks``: per question, ``[first, last]`` key block
+    (relative to its sequence's start) of the asked record.
+    """
+
+    rows: List[int]
+    query: List[int]
+    first_rows: List[int]
+    record_blocks: List[List[int]]
+
+
+@dataclass
 class Window:
     """One packed micro-batch row: ``tokens [S]`` int64 and the packed sequence lengths.
 
     ``seq_lens`` sum to S; each is a multiple of ``PAD_MULTIPLE``; ``real_lens[i] <= seq_lens[i]``
-    is the unpadded length of sequence i (pads sit at the end of their sequence).
+    is the unpadded length of sequence i (pads sit at the end of their sequence). ``answers``:
+    the retrieval task's answer positions (None for plain text).
     """
 
     tokens: torch.Tensor
     seq_lens: List[int]
     real_lens: List[int]
+    answers: Optional[Answers] = None
 
 
 def pack_windows(documents: Iterator[bytes], seq_len: int) -> Iterator[Window]:
@@ -139,6 +162,30 @@ def take_windows(files: Sequence[Path], seq_len: int, count: int) -> List[Window
     return [next(stream) for _ in range(count)]
 
 
+def take_retrieval_windows(files: Sequence[Path], args: argparse.Namespace, count: int,
+                           seed: int) -> List[Window]:
+    """``count`` windows of ``--seq-len / --task-len`` retrieval sequences each (filler from
+    ``files``), the same on every rank."""
+    spec = retrieval_task.spec_from_args(args)
+    stream = retrieval_task.sequences(spec, iter_documents(files), seed)
+    per_window = args.seq_len // spec.length
+    windows = []
+    for _ in range(count):
+        parts = [next(stream) for _ in range(per_window)]
+        answers = Answers([], [], [], [])
+        for i, part in enumerate(parts):
+            offset = i * spec.length
+            base_query = i * spec.queries
+            answers.rows.extend(offset + p for p in part.answer_pos)
+            answers.query.extend(base_query + q for q in part.answer_query)
+            answers.first_rows.extend(offset + p for p in part.answer_pos[::spec.value_len])
+            answers.record_blocks.extend([first // args.block_size, last // args.block_size]
+                                         for first, last in part.record_span)
+        windows.append(Window(torch.cat([p.tokens for p in parts]), [spec.length] * per_window,
+                              [spec.length] * per_window, answers))
+    return windows
+
+
 @dataclass
 class Batch:
     """The part of one window that this CP rank holds, ready for ``GPTModel.forward``."""
@@ -148,8 +195,9 @@ class Batch:
     labels: torch.Tensor  # [1, S / CP] next byte of the same document
     loss_mask: torch.Tensor  # [1, S / CP] 1.0 where a label exists, 0.0 on pads and last tokens
     packed_seq_params: PackedSeqParams
-    num_tokens_global: int  # labelled tokens of the whole window (all CP ranks)
+    num_tokens_global: float  # summed loss weights of the whole window (all CP ranks)
     attended_fraction: float  # attended key blocks / causal key blocks at top_k (whole window)
+    rows: torch.Tensor  # [S / CP] window rows this rank holds, in local order
 
 
 def attended_block_fraction(seq_lens: Sequence[int], block_size: int, top_k: int) -> float:
@@ -183,8 +231,10 @@ def cp_partition(seq_lens: Sequence[int], cp_size: int, cp_rank: int) -> torch.T
 
 
 def make_batch(window: Window, cp_group: Optional[dist.ProcessGroup], block_size: int,
-               top_k: int, device: torch.device) -> Batch:
-    """Labels, loss mask and packed-sequence metadata of ``window``, sliced for this CP rank."""
+               top_k: int, device: torch.device, answer_weight: float = 1.0) -> Batch:
+    """Labels, loss weights and packed-sequence metadata of ``window``, sliced for this CP rank.
+
+    Every labelled token weighs 1 in the loss, a retrieval answer token ``answer_weight``."""
     tokens = window.tokens
     labels = torch.full_like(tokens, PAD_TOKEN)
     loss_mask = torch.zeros(tokens.shape, dtype=torch.float32)
@@ -195,6 +245,8 @@ def make_batch(window: Window, cp_group: Optional[dist.ProcessGroup], block_size
         loss_mask[start:start + real - 1] = 1.0
         positions[start:start + length] = torch.arange(length)
         start += length
+    if window.answers is not None:
+        loss_mask[window.answers.rows] = answer_weight
     cu_seqlens = torch.zeros(len(window.seq_lens) + 1, dtype=torch.int32)
     cu_seqlens[1:] = torch.cumsum(torch.tensor(window.seq_lens), 0)
     cp_size = 1 if cp_group is None else cp_group.size()
@@ -210,8 +262,9 @@ def make_batch(window: Window, cp_group: Optional[dist.ProcessGroup], block_size
         labels=labels[rows][None].to(device),
         loss_mask=loss_mask[rows][None].to(device),
         packed_seq_params=params,
-        num_tokens_global=int(loss_mask.sum()),
+        num_tokens_global=float(loss_mask.sum()),
         attended_fraction=attended_block_fraction(window.seq_lens, block_size, top_k),
+        rows=rows,
     )
 
 
@@ -303,6 +356,14 @@ class History:
     tokens_per_s: List[float] = field(default_factory=list)
     held_out_loss: Optional[float] = None
     seconds: float = 0.0
+    # Selection probe (every --probe-interval steps): per probed step, one value per layer.
+    probe_steps: List[int] = field(default_factory=list)
+    recall_per_layer: List[List[float]] = field(default_factory=list)
+    recall_answer_per_layer: List[List[float]] = field(default_factory=list)
+    key_hit_per_layer: List[List[float]] = field(default_factory=list)
+    retrieval: Optional[Dict[str, object]] = None  # held-out retrieval metrics
+    eval_steps: List[int] = field(default_factory=list)  # retrieval: --eval-interval
+    eval_exact_match: List[float] = field(default_factory=list)
 
 
 def layer_kls(metrics: Dict[str, float]) -> List[float]:
@@ -360,9 +421,68 @@ def lm_loss(model: GPTModel, batch: Batch, autocast: bool) -> torch.Tensor:
     return (per_token.float() * batch.loss_mask).sum() / max(batch.num_tokens_global, 1)
 
 
-def run(name: str, args: argparse.Namespace, device: torch.device, sparse_after: Optional[int],
+VARIANTS = {
+    # name: (sparse after the warm-up, index trained by the KL, top-k override)
+    "msa": (True, True, None),
+    "random": (True, False, None),
+    "local": (True, False, 1),
+    "dense": (False, True, None),
+}
+VARIANT_HELP = ("msa: KL-trained index; random: index frozen at its random initialisation; "
+                "local: own block only (top-k 1); dense: dense attention every step")
+
+
+def variant_args(args: argparse.Namespace, variant: str) -> argparse.Namespace:
+    """``args`` with the variant's top-k (own block only for ``local``)."""
+    top_k = VARIANTS[variant][2]
+    return argparse.Namespace(**{**vars(args), "top_k": top_k or args.top_k})
+
+
+def probe_due(step: int, args: argparse.Namespace) -> bool:
+    """Selection recall is measured every ``--probe-interval`` steps and at the last step."""
+    return args.probe_interval > 0 and ((step + 1) % args.probe_interval == 0 or step == 0
+                                        or step + 1 == args.steps)
+
+
+def arm_probe(model: GPTModel, window: Window, batch: Batch, args: argparse.Namespace,
+              step: int):
+    """Arm the selection probe on ``--probe-rows`` uniform local rows plus, for the retrieval
+    task, the rows that must find a record. Returns ``(probe, uniform_count)``."""
+    generator = torch.Generator().manual_seed(args.seed + step)
+    uniform = sample_rows(batch.rows.numel(), args.probe_rows, generator)
+    rows = [uniform]
+    if window.answers is not None:
+        rows.append(torch.tensor(window.answers.first_rows, dtype=torch.int64))
+    return arm_selection_probe(model, rows=torch.cat(rows)), uniform.numel()
+
+
+def summarize_probe(probe, uniform_count: int, window: Window, block_size: int,
+                    device: torch.device) -> Dict[str, List[float]]:
+    """Per-layer recall over uniform rows, recall over the answer rows and the share of (question,
+    index head) whose selection holds the asked record's block, averaged over all ranks."""
+    layers = sorted(probe.samples)
+    stats = torch.zeros(3, len(layers), dtype=torch.float64, device=device)
+    for j, layer in enumerate(layers):
+        sample = probe.samples[layer]
+        stats[0, j] = float(sample.recall[:uniform_count].mean())
+        if window.answers is not None and sample.recall.shape[0] > uniform_count:
+            stats[1, j] = float(sample.recall[uniform_count:].mean())
+            chosen = sample.block_idx[uniform_count:].to(torch.int64)  # [Q, Hi, k]
+            spans = torch.tensor(window.answers.record_blocks, dtype=torch.int64,
+                                 device=chosen.device)
+            inside = (chosen >= spans[:, None, None, 0]) & (chosen <= spans[:, None, None, 1])
+            stats[2, j] = float(inside.any(dim=-1).double().mean())
+    dist.all_reduce(stats)
+    stats /= dist.get_world_size()
+    return {"recall": stats[0].tolist(), "recall_answer": stats[1].tolist(),
+            "key_hit": stats[2].tolist()}
+
+
+def run(name: str, args: argparse.Namespace, device: torch.device,
         train_windows: List[Window], eval_windows: List[Window]) -> History:
-    """Train one model for ``args.steps`` steps; ``sparse_after=None`` keeps attention dense."""
+    """Train one model variant (:data:`VARIANTS`) for ``args.steps`` steps and evaluate it."""
+    sparse, index_trained, _ = VARIANTS[name]
+    args = variant_args(args, name)
     dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     dp_group = parallel_state.get_data_parallel_group()
     cp_group = parallel_state.get_context_parallel_group()
@@ -370,10 +490,14 @@ def run(name: str, args: argparse.Namespace, device: torch.device, sparse_after:
     dp_rank, dp_size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
     is_logger = dist.get_rank() == 0
     autocast = args.dtype == "bf16"
+    probing = args.cp == 1  # the selection probe does not gather keys across CP ranks yet
 
     model = build_model(args, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
-                                  weight_decay=0.1)
+    if not index_trained:
+        for param in index_branch_parameters(model):
+            param.requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                  lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     # The KL gradient is injected inside each layer; scale it like the LM loss, whose gradient
     # is summed over data-parallel ranks (CP ranks already share one KL normaliser).
     set_kl_loss_scale(1.0 / dp_size)
@@ -383,14 +507,17 @@ def run(name: str, args: argparse.Namespace, device: torch.device, sparse_after:
     model.train()
     start = time.perf_counter()
     for step in range(args.steps):
-        if sparse_after is not None and step == sparse_after:
+        if sparse and step == args.warmup_steps:
             mode = "sparse"
             set_msa_mode(model, mode)
         step_start = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, args)
         window = train_windows[step * dp_size + dp_rank]
-        batch = make_batch(window, cp_group, args.block_size, args.top_k, device)
+        batch = make_batch(window, cp_group, args.block_size, args.top_k, device,
+                           args.answer_weight)
+        probe = arm_probe(model, window, batch, args, step) if probing and probe_due(step, args) \
+            else None
         optimizer.zero_grad(set_to_none=True)
         loss = lm_loss(model, batch, autocast)
         loss.backward()
@@ -402,6 +529,13 @@ def run(name: str, args: argparse.Namespace, device: torch.device, sparse_after:
                               dtype=torch.float64, device=device)
         dist.all_reduce(logged, group=dp_cp_group)  # loss: sum of shares; fraction: mean below
         kl_per_layer = layer_kls(get_msa_metrics())  # collective: every rank calls it
+        probed = summarize_probe(probe[0], probe[1], window, args.block_size, device) \
+            if probe is not None else None
+        accuracy = None
+        if (window.answers is not None and args.eval_interval > 0
+                and (step + 1) % args.eval_interval == 0):
+            accuracy = evaluate_retrieval(model, eval_windows, args, device, False)["exact_match"]
+            model.train()
         elapsed = time.perf_counter() - step_start
         if is_logger:
             history.steps.append(step + 1)
@@ -411,20 +545,47 @@ def run(name: str, args: argparse.Namespace, device: torch.device, sparse_after:
             history.kl.append(sum(kl_per_layer) / len(kl_per_layer))
             history.mode.append(mode)
             history.tokens_per_s.append(args.seq_len * dp_size / elapsed)
+            if accuracy is not None:
+                history.eval_steps.append(step + 1)
+                history.eval_exact_match.append(accuracy)
+                print(f"[{name}] step {step + 1:4d} held-out exact match {accuracy:.3f}",
+                      flush=True)
+            if probed is not None:
+                history.probe_steps.append(step + 1)
+                for key, values in probed.items():
+                    getattr(history, f"{key}_per_layer").append(values)
             if (step + 1) % args.log_interval == 0 or step == 0 or step + 1 == args.steps:
+                extra = ""
+                if history.probe_steps and history.probe_steps[-1] == step + 1:
+                    extra = f"  recall {mean(history.recall_per_layer[-1]):.3f}"
+                    if window.answers is not None:
+                        extra += (f" (answers {mean(history.recall_answer_per_layer[-1]):.3f},"
+                                  f" record block chosen {mean(history.key_hit_per_layer[-1]):.2f})")
                 print(f"[{name}] step {step + 1:4d}/{args.steps} {mode:6s} "
                       f"loss {history.loss[-1]:.4f}  kl {history.kl[-1]:.4f} "
                       f"(layers {' '.join(f'{v:.3f}' for v in kl_per_layer)})  "
-                      f"blocks {history.attended_fraction[-1]:.2f}  "
+                      f"blocks {history.attended_fraction[-1]:.2f}{extra}  "
                       f"{history.tokens_per_s[-1]:,.0f} tok/s", flush=True)
     history.seconds = time.perf_counter() - start
     held_out = evaluate(model, eval_windows, args, device)
+    retrieval = (evaluate_retrieval(model, eval_windows, args, device, probing)
+                 if eval_windows and eval_windows[0].answers is not None else None)
     if is_logger:
         history.held_out_loss = held_out
         print(f"[{name}] held-out loss {held_out:.4f} ({mode} attention, {len(eval_windows)} "
               f"windows of {args.seq_len} tokens); {history.seconds:.0f} s for {args.steps} steps",
               flush=True)
+        if retrieval is not None:
+            history.retrieval = retrieval
+            print(f"[{name}] held-out retrieval: exact match {retrieval['exact_match']:.3f} "
+                  f"({retrieval['questions']} questions), answer loss "
+                  f"{retrieval['answer_loss']:.4f}, record block chosen "
+                  f"{retrieval.get('key_hit', float('nan')):.2f}", flush=True)
     return history
+
+
+def mean(values: Sequence[float]) -> float:
+    return sum(values) / max(len(values), 1)
 
 
 @torch.no_grad()
@@ -443,6 +604,59 @@ def evaluate(model: GPTModel, windows: List[Window], args: argparse.Namespace,
     return float(loss_sum) / max(tokens, 1)
 
 
+@torch.no_grad()
+def evaluate_retrieval(model: GPTModel, windows: List[Window], args: argparse.Namespace,
+                       device: torch.device, probing: bool) -> Dict[str, object]:
+    """Answer-token loss and exact match (teacher-forced argmax of every value byte) over the
+    held-out retrieval windows, in the model's current mode; with the probe, also the selection
+    recall, the share of questions whose record block is selected and the distance histogram of
+    the selected blocks, per layer (first window)."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    cp_group = parallel_state.get_context_parallel_group()
+    model.eval()
+    value_len = retrieval_task.spec_from_args(args).value_len
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    answers = 0
+    correct: List[int] = []
+    result: Dict[str, object] = {}
+    for w, window in enumerate(windows):
+        batch = make_batch(window, cp_group, args.block_size, args.top_k, device)
+        probe = arm_probe(model, window, batch, args, -1) if probing and w == 0 else None
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
+            logits = model(batch.input_ids, batch.position_ids, None,
+                           packed_seq_params=batch.packed_seq_params)
+        logits = gather_from_tensor_model_parallel_region(logits)[0].float()  # [S/CP, V]
+        local = torch.full((window.tokens.numel(),), -1, dtype=torch.int64)
+        local[batch.rows] = torch.arange(batch.rows.numel())
+        rows = torch.tensor(window.answers.rows, dtype=torch.int64)
+        query = torch.tensor(window.answers.query, dtype=torch.int64)
+        held = local[rows] >= 0
+        at = local[rows][held].to(device)
+        labels = batch.labels[0, at]
+        log_probs = torch.log_softmax(logits[at], dim=-1)
+        loss_sum += -log_probs.gather(1, labels[:, None]).sum().double()
+        hits = torch.zeros(len(window.answers.first_rows), dtype=torch.float64, device=device)
+        hits.index_add_(0, query[held].to(device), (log_probs.argmax(-1) == labels).double())
+        dist.all_reduce(hits, group=cp_group)
+        correct.extend(int(h) for h in hits.tolist())
+        answers += rows.numel()
+        if probe is not None:
+            probed = summarize_probe(probe[0], probe[1], window, args.block_size, device)
+            result.update({key: mean(values) for key, values in probed.items()})
+            result.update({f"{key}_per_layer": values for key, values in probed.items()})
+            uniform = probe[1]
+            result["distance_histogram"] = {
+                f"layer_{layer:02d}": distance_histogram(
+                    sample.block_idx[:uniform], sample.q_pos[:uniform], args.block_size,
+                    args.seq_len // args.block_size)
+                for layer, sample in sorted(probe[0].samples.items())}
+    dist.all_reduce(loss_sum, group=cp_group)
+    result.update({"exact_match": retrieval_task.exact_match(correct, value_len),
+                   "answer_loss": float(loss_sum) / max(answers, 1), "questions": len(correct)})
+    return result
+
+
 # ----------------------------------------------------------------------------- output
 
 
@@ -456,13 +670,29 @@ def plot(histories: List[History], path: Path, warmup_steps: int) -> None:
 
     runs = {h.name: h for h in histories}
     with_gap = "msa" in runs and "dense" in runs
-    fig, axes = plt.subplots(1, 3 if with_gap else 2, figsize=(16 if with_gap else 11, 4))
-    ax_loss, ax_kl = axes[0], axes[-1]
-    styles = {"msa": dict(color="tab:red"), "dense": dict(color="tab:blue", linestyle="--")}
+    with_recall = any(h.probe_steps for h in histories)
+    panels = 2 + with_gap + with_recall
+    fig, axes = plt.subplots(1, panels, figsize=(5.4 * panels, 4))
+    ax_loss, ax_kl = axes[0], axes[1 + with_gap]
+    styles = {"msa": dict(color="tab:red"), "dense": dict(color="tab:blue", linestyle="--"),
+              "random": dict(color="tab:green"), "local": dict(color="tab:gray")}
     for h in histories:
         label = f"{h.name} (held-out {h.held_out_loss:.3f})" if h.held_out_loss else h.name
         ax_loss.plot(h.steps, h.loss, label=label, **styles.get(h.name, {}))
         ax_kl.plot(h.steps, h.kl, label=f"{h.name}: mean KL over layers", **styles.get(h.name, {}))
+    if with_recall:
+        ax_recall = axes[-1]
+        for h in histories:
+            if h.probe_steps and h.name != "local":
+                ax_recall.plot(h.probe_steps, [mean(v) for v in h.recall_per_layer],
+                               label=f"{h.name}: recall", **styles.get(h.name, {}))
+                if any(h.key_hit_per_layer) and h.key_hit_per_layer[0]:
+                    ax_recall.plot(h.probe_steps, [mean(v) for v in h.key_hit_per_layer],
+                                   label=f"{h.name}: record block chosen", marker=".",
+                                   **{**styles.get(h.name, {}), "linestyle": ":"})
+        ax_recall.set_ylim(0, 1.02)
+        ax_recall.set_ylabel("share")
+        ax_recall.set_title("selection recall of the dense attention mass")
     if with_gap:
         gap = [m - d for m, d in zip(runs["msa"].loss, runs["dense"].loss)]
         axes[1].plot(runs["msa"].steps, gap, color="tab:purple", label="msa - dense")
@@ -475,13 +705,25 @@ def plot(histories: List[History], path: Path, warmup_steps: int) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     ax_loss.set_ylabel("LM loss (nats / byte)")
-    ax_loss.set_title("training loss, same data order for both runs")
     ax_kl.set_ylabel("KL(main attention || index branch)")
     ax_kl.set_yscale("log")
     ax_kl.set_title("index-branch KL per token and index head")
+    ax_loss.set_title("training loss, same data order for every run")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def retrieval_table(histories: List[History]) -> str:
+    """Markdown table of the held-out retrieval metrics of every run."""
+    lines = ["| run | exact match | answer loss | recall | recall (answer rows) | "
+             "record block chosen | held-out LM loss |", "|---|---|---|---|---|---|---|"]
+    for h in histories:
+        r = h.retrieval or {}
+        cells = [f"{r[key]:.3f}" if isinstance(r.get(key), float) else "-"
+                 for key in ("exact_match", "answer_loss", "recall", "recall_answer", "key_hit")]
+        lines.append(f"| {h.name} | " + " | ".join(cells) + f" | {h.held_out_loss:.3f} |")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -509,7 +751,18 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--lr-warmup", type=int, default=10)
     p.add_argument("--clip-grad", type=float, default=1.0)
     p.add_argument("--eval-windows", type=int, default=4)
-    p.add_argument("--no-baseline", action="store_true", help="skip the dense-attention run")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="skip the dense-attention run (same as --runs msa)")
+    p.add_argument("--runs", default=None,
+                   help="comma-separated model variants to train, in order, same weights and "
+                        f"data: {VARIANT_HELP} (default: msa,dense; retrieval: "
+                        "msa,random,local,dense)")
+    p.add_argument("--task", choices=("text", "retrieval"), default="text",
+                   help="text: next-byte prediction on stdlib sources; retrieval: key -> value "
+                        "recall in long filler text (examples/retrieval_task.py)")
+    p.add_argument("--probe-interval", type=int, default=None,
+                   help="steps between selection-recall measurements (0: never; default: "
+                        "--log-interval)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--device", choices=("cpu", "cuda"),
                    default="cuda" if torch.cuda.is_available() else "cpu")
@@ -519,6 +772,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--out-dir", type=Path, default=Path("runs/pretrain_tiny"))
     p.add_argument("--quick", action="store_true",
                    help="a few steps at a tiny size (CI smoke run)")
+    retrieval_task.add_arguments(p)
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.warmup_steps, args.seq_len = 8, 3, 256
@@ -532,6 +786,25 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(f"--cp must be in [1, {MAX_CP}] (documents are padded to {PAD_MULTIPLE} tokens)")
     if args.warmup_steps > args.steps:
         p.error("--warmup-steps must not exceed --steps")
+    if args.probe_interval is None:
+        args.probe_interval = args.log_interval
+    if args.runs is None:
+        args.runs = ("msa" if args.no_baseline else
+                     "msa,random,local,dense" if args.task == "retrieval" else "msa,dense")
+    args.runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    unknown = [r for r in args.runs if r not in VARIANTS]
+    if unknown or not args.runs or len(set(args.runs)) != len(args.runs):
+        p.error(f"--runs takes distinct names among {', '.join(VARIANTS)}; got {args.runs}")
+    if args.task == "retrieval":
+        if args.task_len is None:
+            args.task_len = args.seq_len
+        if args.seq_len % args.task_len or args.task_len % PAD_MULTIPLE:
+            p.error(f"--task-len ({args.task_len}) must divide --seq-len ({args.seq_len}) and be "
+                    f"a multiple of {PAD_MULTIPLE}")
+        try:
+            retrieval_task.spec_from_args(args).check()
+        except ValueError as error:
+            p.error(str(error))
     return args
 
 
@@ -576,16 +849,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"dense warmup {args.warmup_steps}", flush=True)
 
     split = split_files(stdlib_files(), args.seed)
-    train_windows = take_windows(split["train"], args.seq_len, args.steps * dp_size)
-    eval_windows = take_windows(split["held_out"], args.seq_len, args.eval_windows)
+    if args.task == "retrieval":
+        train_windows = take_retrieval_windows(split["train"], args, args.steps * dp_size,
+                                               args.seed)
+        eval_windows = take_retrieval_windows(split["held_out"], args, args.eval_windows,
+                                              args.seed + 1)
+    else:
+        train_windows = take_windows(split["train"], args.seq_len, args.steps * dp_size)
+        eval_windows = take_windows(split["held_out"], args.seq_len, args.eval_windows)
     if is_logger:
         print(f"data: {len(split['train'])} train / {len(split['held_out'])} held-out stdlib files "
               f"({sysconfig.get_paths()['stdlib']}); {len(train_windows)} train windows, "
               f"{len(eval_windows)} held-out windows", flush=True)
 
-    histories = [run("msa", args, device, args.warmup_steps, train_windows, eval_windows)]
-    if not args.no_baseline:
-        histories.append(run("dense", args, device, None, train_windows, eval_windows))
+    histories = [run(name, args, device, train_windows, eval_windows) for name in args.runs]
 
     if is_logger:
         args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -594,6 +871,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         (args.out_dir / "metrics.json").write_text(json.dumps(record, indent=1))
         plot(histories, args.out_dir / "pretrain_tiny.png", args.warmup_steps)
         print("held-out loss: " + ", ".join(f"{h.name} {h.held_out_loss:.4f}" for h in histories))
+        if args.task == "retrieval":
+            print(retrieval_table(histories), flush=True)
         print(f"wrote {args.out_dir / 'metrics.json'} and {args.out_dir / 'pretrain_tiny.png'}",
               flush=True)
     parallel_state.destroy_model_parallel()

@@ -13,12 +13,14 @@ from .attention import (
     MSASelfAttentionSubmodules,
     apply_msa_warmup,
     clear_selection_cache,
+    index_branch_parameters,
     reset_selection_counts,
     selection_counts,
     set_msa_mode,
 )
 from .checkpoint import load_dense_checkpoint, msa_only_keys
 from .loss import get_kl_loss_scale, get_msa_metrics, schedule_loss_scale, set_kl_loss_scale
+from .probe import SelectionProbe, arm_selection_probe
 from .spec import MSALayerSpec, get_gpt_layer_msa_spec, gpt_layer_msa_spec
 
 __all__ = [
@@ -26,12 +28,15 @@ __all__ = [
     "MSALayerSpec",
     "MSASelfAttention",
     "MSASelfAttentionSubmodules",
+    "SelectionProbe",
     "apply_msa_warmup",
+    "arm_selection_probe",
     "clear_selection_cache",
     "get_gpt_layer_msa_spec",
     "get_kl_loss_scale",
     "get_msa_metrics",
     "gpt_layer_msa_spec",
+    "index_branch_parameters",
     "load_dense_checkpoint",
     "msa_only_keys",
     "reset_selection_counts",

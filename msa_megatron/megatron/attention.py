@@ -96,6 +96,7 @@ from ..parallel.tensor import (
     token_slices,
 )
 from . import compat
+from .probe import warn_probe_under_cp
 from .loss import attach_kl_loss, cp_stats_accumulator, record_kl, set_kl_loss_scale
 
 _SELECTION_COUNTS = {"calls": 0, "rows": 0}
@@ -470,6 +471,7 @@ class MSACoreAttention(MegatronModule):
         self.cp_stats: Dict[str, int] = {}
         self._pending: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         self._selection_fifo: Deque[torch.Tensor] = collections.deque()
+        self.probe = None  # a SelectionProbe armed for the next forward (megatron/probe.py)
         if config.attention_dropout:
             warnings.warn("MSA attention applies no attention dropout "
                           f"(config.attention_dropout={config.attention_dropout} is ignored)")
@@ -573,6 +575,8 @@ class MSACoreAttention(MegatronModule):
             kl_scale=1.0 / (max(tokens_global, 1) * self.layout.num_index_heads),
             block_idx=block_idx,
         )
+        if self.probe is not None and not recomputing:
+            self._observe_selection(q, k, q_idx, k_idx, cu_seqlens, cp_size, backend, options)
         if cp_size > 1:
             out, kl, block_idx, rows = self._context_parallel(
                 q, k, v, q_idx, k_idx, cu_seqlens, cu_real, backend, options,
@@ -596,6 +600,18 @@ class MSACoreAttention(MegatronModule):
         if self.training and not recomputing:
             record_kl(self.layer_number, kl, self.tp_size * cp_size)
         return out, kl
+
+    def _observe_selection(self, q, k, q_idx, k_idx, cu_seqlens, cp_size, backend, options):
+        """Hand this forward's inputs to the armed selection probe, once, then disarm."""
+        probe, self.probe = self.probe, None
+        if cp_size > 1:
+            warn_probe_under_cp()
+            return
+        probe.observe(self.layer_number, q, k, q_idx, k_idx, cu_seqlens,
+                      block_size=options["block_size"], top_k=options["top_k"],
+                      init_blocks=options["init_blocks"], local_blocks=options["local_blocks"],
+                      softmax_scale=options["softmax_scale"], index_scale=options["index_scale"],
+                      backend=backend)
 
     def _softmax_scale(self) -> Optional[float]:
         if self.msa_config.softmax_scale is not None:
@@ -679,3 +695,18 @@ def clear_selection_cache(model: Union[torch.nn.Module, Iterable[torch.nn.Module
     activation checkpointing, whose recomputation will never come)."""
     for core in _msa_cores(model):
         core._selection_fifo.clear()
+
+
+def index_branch_parameters(model: Union[torch.nn.Module, Iterable[torch.nn.Module]]):
+    """Yield the parameters of every MSA layer's index branch (index projections and norms).
+
+    Used to freeze the index (a "random index" baseline) or to give it its own optimizer group.
+    """
+    chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, MSASelfAttention):
+                for part in (module.linear_q_idx, module.linear_k_idx, module.q_idx_norm,
+                             module.k_idx_norm):
+                    if part is not None:
+                        yield from part.parameters()

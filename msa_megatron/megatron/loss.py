@@ -44,6 +44,7 @@ METRIC_PREFIX = "msa/kl"
 CP_BYTES_PREFIX = "msa/cp_bytes"
 CP_BYTES_FWD_PREFIX = "msa/cp_bytes_fwd"
 CP_BYTES_BWD_PREFIX = "msa/cp_bytes_bwd"
+RECALL_PREFIX = "msa/recall"
 
 _loss_scale: Optional[torch.Tensor] = None
 
@@ -221,16 +222,23 @@ def get_msa_metrics(reset: bool = True,
         ``"msa/cp_bytes/layer_NN"`` (bytes received per rank and micro-batch by that layer's
         CP exchanges, forward + backward), its parts ``"msa/cp_bytes_fwd/layer_NN"`` (index
         keys, K/V and selective mode's block ids) and ``"msa/cp_bytes_bwd/layer_NN"`` (their
-        gradients), and ``"msa/cp_bytes"``: the sum over layers. Empty when no MSA layer ran.
+        gradients), and ``"msa/cp_bytes"``: the sum over layers; when a selection probe was
+        armed (:func:`msa_megatron.megatron.arm_selection_probe`), ``"msa/recall/layer_NN"``
+        (share of the dense teacher's attention mass inside the selected blocks, mean over the
+        sampled rows, index heads and ranks) and ``"msa/recall"``, their mean over layers.
+        Empty when no MSA layer ran.
     """
-    local_max = max(max(_TRACKER.values, default=0), max(_CP_BYTES.micro_batches, default=0))
+    from .probe import _RECALL
+
+    local_max = max(max(_TRACKER.values, default=0), max(_CP_BYTES.micro_batches, default=0),
+                    max(_RECALL.sums, default=0))
     device = _metrics_device()
     distributed = dist.is_initialized()
     num_layers = torch.tensor([local_max], dtype=torch.int64, device=device)
     if distributed:
         dist.all_reduce(num_layers, op=dist.ReduceOp.MAX, group=group)
     count = int(num_layers.item())
-    values = torch.zeros(5, count, dtype=torch.float64, device=device)
+    values = torch.zeros(7, count, dtype=torch.float64, device=device)
     for layer, value in _TRACKER.values.items():
         values[0, layer - 1] = value.to(device=device, dtype=torch.float64)
         values[1, layer - 1] = _TRACKER.weights[layer]
@@ -239,12 +247,16 @@ def get_msa_metrics(reset: bool = True,
         host_bytes[0:2, layer - 1] = torch.tensor(cp_bytes_received(_CP_BYTES.stats[layer]),
                                                   dtype=torch.float64)
         host_bytes[2, layer - 1] = micro_batches
-    values[2:] = host_bytes.to(device)
+    values[2:5] = host_bytes.to(device)
+    for layer, total in _RECALL.sums.items():
+        values[5, layer - 1] = torch.as_tensor(total, dtype=torch.float64).to(device)
+        values[6, layer - 1] = _RECALL.counts[layer]
     if distributed:
         dist.all_reduce(values, group=group)
     if reset:
         _TRACKER.reset()
         _CP_BYTES.reset()
+        _RECALL.reset()
     metrics: Dict[str, float] = {}
     per_layer = []
     for layer in range(count):
@@ -266,4 +278,12 @@ def get_msa_metrics(reset: bool = True,
             total_bytes = (total_bytes or 0.0) + fwd + bwd
     if total_bytes is not None:
         metrics[CP_BYTES_PREFIX] = total_bytes
+    recalls = []
+    for layer in range(count):
+        if float(values[6, layer]) > 0:
+            recall = float(values[5, layer]) / float(values[6, layer])
+            metrics[f"{RECALL_PREFIX}/layer_{layer + 1:02d}"] = recall
+            recalls.append(recall)
+    if recalls:
+        metrics[RECALL_PREFIX] = sum(recalls) / len(recalls)
     return metrics

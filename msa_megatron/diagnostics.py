@@ -1,0 +1,185 @@
+"""Selection quality: does the index branch pick the blocks the main heads attend to?
+
+Two measurements on a small sample of query rows, cheap enough to run every few hundred steps:
+
+- :func:`selection_recall`: the share of the *dense* teacher's attention mass (mean over the
+  query heads of an index head, softmax over the whole causal prefix, as in dense mode) that
+  lies inside the blocks the index branch selects (MSA_SPEC section 2) for that row. 1.0 means
+  sparse attention loses nothing for that row; the MSA paper reports 0.90-0.94 for a trained
+  index. Works in sparse and dense mode (the selection is computed for the sampled rows only).
+- :func:`distance_histogram`: where the selected blocks lie, as the distance in blocks from the
+  query's own block (own, neighbour, sink = block 0, then powers of two).
+
+Both run on the general query layout (``q_pos``, ``q_kbase``) of
+:mod:`msa_megatron.ops.layout` and take plain tensors; the Megatron layer arms them through
+:mod:`msa_megatron.megatron.probe`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+from .ops.backends import get_backend, resolve_backend
+from .ops.layout import query_layout
+
+# Bytes per chunk of the teacher computation (fp32 scores [rows, Hq, prefix] and gathered keys
+# [rows, prefix, Hkv, D]).
+_TEACHER_BYTES = 256 << 20
+
+
+@dataclass
+class SelectionSample:
+    """Selection quality of sampled query rows of one layer.
+
+    Attributes:
+        rows: ``[R]`` int64 token rows (into the layer's THD tokens) that were sampled.
+        q_pos: ``[R]`` int64 position of each row in its own sequence.
+        block_idx: ``[R, Hi, top_k]`` int32 selection of those rows (MSA_SPEC 2.5).
+        recall: ``[R, Hi]`` float32 share of the dense teacher's attention mass inside the
+            selected blocks.
+    """
+
+    rows: torch.Tensor
+    q_pos: torch.Tensor
+    block_idx: torch.Tensor
+    recall: torch.Tensor
+
+
+def sample_rows(num_tokens: int, num_rows: int, generator: Optional[torch.Generator] = None,
+                device: Optional[torch.device] = None) -> torch.Tensor:
+    """``min(num_rows, num_tokens)`` distinct token rows, sorted, int64 (uniform sample)."""
+    if num_rows <= 0 or num_tokens <= 0:
+        raise ValueError(f"num_rows ({num_rows}) and num_tokens ({num_tokens}) must be positive")
+    count = min(num_rows, num_tokens)
+    rows = torch.randperm(num_tokens, generator=generator)[:count].sort().values
+    return rows.to(device) if device is not None else rows
+
+
+@torch.no_grad()
+def selection_recall(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_idx: torch.Tensor,
+    k_idx: torch.Tensor,
+    rows: torch.Tensor,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    *,
+    block_size: int,
+    top_k: int,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+    softmax_scale: Optional[float] = None,
+    index_scale: Optional[float] = None,
+    backend: Optional[str] = None,
+) -> SelectionSample:
+    """Recall of the dense teacher's attention mass by the index selection, for sampled rows.
+
+    For each sampled row ``p`` and index head ``i``: ``recall[p, i] = sum over u in the
+    selected blocks (u <= p) of T[i, p, u]``, with ``T`` the mean over the index head's query
+    heads of the dense causal softmax of ``softmax_scale * <q[p, h], k[u, g]>`` over the whole
+    prefix of the sequence (MSA_SPEC sections 3-4, dense support). Inputs are packed THD as in
+    :func:`msa_megatron.msa_attention` (already validated by the caller's forward).
+
+    Args:
+        q: ``[T, Hq, D]`` main queries; k: ``[T, Hkv, D]`` main keys (RoPE applied).
+        q_idx: ``[T, Hi, Di]``; k_idx: ``[T, Hik, Di]`` index queries / keys.
+        rows: ``[R]`` int64 token rows to measure (``0 <= rows < T``).
+        cu_seqlens: ``[n+1]`` int32 sequence starts, or None for one sequence.
+        block_size, top_k, init_blocks, local_blocks, index_scale: the layer's selection.
+        softmax_scale: main logit scale, default ``D ** -0.5``.
+        backend: backend of the selection (default: triton on CUDA, torch elsewhere).
+
+    Returns:
+        :class:`SelectionSample` with the rows, their positions, selection and recall.
+
+    Raises:
+        ValueError: ``rows`` not 1-D integer or out of ``[0, T)``.
+    """
+    T, Hq, D = q.shape
+    Hkv, Hi = k.shape[1], q_idx.shape[1]
+    if rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"rows must be a 1-D integer tensor, got {tuple(rows.shape)} {rows.dtype}")
+    rows = rows.to(device=q.device, dtype=torch.int64)
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= T):
+        raise ValueError(f"rows must lie in [0, {T}), got [{int(rows.min())}, {int(rows.max())}]")
+    q_pos, q_kbase = query_layout(cu_seqlens, T, q.device)
+    pos, base = q_pos[rows], q_kbase[rows]
+    name = resolve_backend(backend, q.device)
+    block_idx = get_backend(name).select(
+        q_idx[rows].detach().contiguous(), k_idx.detach(), pos.contiguous(), base.contiguous(),
+        block_size=block_size, top_k=top_k, init_blocks=init_blocks, local_blocks=local_blocks,
+        index_scale=index_scale)
+    scale = D ** -0.5 if softmax_scale is None else softmax_scale
+    heads_per_index = Hq // Hi
+    recall = torch.zeros(rows.numel(), Hi, dtype=torch.float32, device=q.device)
+    pos64, base64 = pos.to(torch.int64), base.to(torch.int64)
+    # Chunks of rows: scores [R_c, Hq, L] fp32 with L = the longest prefix in the chunk.
+    longest = int(pos64.max()) + 1 if rows.numel() else 1
+    per_chunk = max(1, _TEACHER_BYTES // (4 * (Hq + Hkv * D) * longest))
+    for start in range(0, rows.numel(), per_chunk):
+        sl = slice(start, start + per_chunk)
+        p, b, sel = pos64[sl], base64[sl], block_idx[sl].to(torch.int64)
+        length = int(p.max()) + 1
+        u = torch.arange(length, device=q.device)
+        causal = u[None, :] <= p[:, None]  # [R_c, L]
+        key_rows = (b[:, None] + u[None, :]).clamp(max=k.shape[0] - 1)
+        keys = k[key_rows].float()  # [R_c, L, Hkv, D]
+        queries = q[rows[sl]].float().view(-1, Hkv, Hq // Hkv, D)  # query heads by KV group
+        logits = torch.einsum("rgjd,rlgd->rgjl", queries, keys).reshape(-1, Hq, length) * scale
+        logits = logits.masked_fill(~causal[:, None, :], float("-inf"))
+        probs = torch.softmax(logits, dim=-1)  # [R_c, Hq, L]
+        teacher = probs.view(probs.shape[0], Hi, heads_per_index, length).mean(dim=2)
+        # Selected-block membership of every key position, per index head: [R_c, Hi, L].
+        blk = (u // block_size)[None, None, None, :]
+        chosen = (sel[..., None] == blk).any(dim=2) & causal[:, None, :]
+        recall[sl] = (teacher * chosen).sum(dim=-1)
+    return SelectionSample(rows=rows, q_pos=pos64, block_idx=block_idx, recall=recall)
+
+
+def distance_bins(max_distance: int) -> List[str]:
+    """Labels of :func:`distance_histogram`'s bins for distances up to ``max_distance`` blocks."""
+    labels = ["own", "neighbour", "sink"]
+    lo = 2
+    while lo <= max(max_distance, 2):
+        labels.append(f"{lo}-{2 * lo - 1}")
+        lo *= 2
+    return labels
+
+
+def distance_histogram(block_idx: torch.Tensor, q_pos: torch.Tensor, block_size: int,
+                       max_distance: int) -> Dict[str, int]:
+    """Count selected blocks by distance from the query's own block.
+
+    Args:
+        block_idx: ``[R, Hi, k]`` int32 selection (``-1`` unused).
+        q_pos: ``[R]`` positions of the rows in their sequences.
+        block_size: B.
+        max_distance: the largest distance (in blocks) to make bins for.
+
+    Returns:
+        ``{label: count}`` over :func:`distance_bins`: ``own`` (distance 0), ``neighbour``
+        (distance 1), ``sink`` (block 0 of the sequence, distance >= 2), then ``"2-3"``,
+        ``"4-7"``, ... for the other blocks.
+    """
+    labels = distance_bins(max_distance)
+    own = (q_pos.to(torch.int64) // block_size)[:, None, None]
+    sel = block_idx.to(torch.int64)
+    valid = sel >= 0
+    dist_ = (own - sel)[valid]
+    blocks = sel[valid]
+    counts = {label: 0 for label in labels}
+    counts["own"] = int((dist_ == 0).sum())
+    counts["neighbour"] = int((dist_ == 1).sum())
+    far = dist_ >= 2
+    counts["sink"] = int((far & (blocks == 0)).sum())
+    rest = dist_[far & (blocks != 0)]
+    if rest.numel():
+        octave = torch.floor(torch.log2(rest.double())).to(torch.int64)  # 2-3 -> 1, 4-7 -> 2
+        for level, n in zip(*torch.unique(octave, return_counts=True)):
+            index = 2 + int(level)
+            label = labels[index] if index < len(labels) else labels[-1]
+            counts[label] += int(n)
+    return counts

@@ -26,6 +26,8 @@ gloo on CPU, NCCL on CUDA (``--device``). ``examples/run_tiny.sh`` creates a ven
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import json
 import math
 import os
@@ -38,7 +40,7 @@ import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -58,6 +60,7 @@ from msa_megatron.megatron import (
     arm_selection_probe,
     get_gpt_layer_msa_spec,
     get_msa_metrics,
+    MSACoreAttention,
     index_branch_parameters,
     set_kl_loss_scale,
     set_msa_mode,
@@ -163,26 +166,32 @@ def take_windows(files: Sequence[Path], seq_len: int, count: int) -> List[Window
 
 
 def take_retrieval_windows(files: Sequence[Path], args: argparse.Namespace, count: int,
-                           seed: int) -> List[Window]:
-    """``count`` windows of ``--seq-len / --task-len`` retrieval sequences each (filler from
-    ``files``), the same on every rank."""
+                           seed: int, mixed: bool = False) -> List[Window]:
+    """``count`` windows of retrieval sequences (filler from ``files``), the same on every rank:
+    ``--seq-len / --task-len`` sequences of ``--task-len`` tokens each, or with ``mixed`` and
+    ``--task-len-min``, sequences of mixed lengths up to ``--task-len``."""
     spec = retrieval_task.spec_from_args(args)
-    stream = retrieval_task.sequences(spec, iter_documents(files), seed)
-    per_window = args.seq_len // spec.length
+    rng = random.Random(seed)
+    filler = retrieval_task.filler_stream(iter_documents(files))
+    shortest = args.task_len_min if mixed and args.task_len_min else spec.length
     windows = []
     for _ in range(count):
-        parts = [next(stream) for _ in range(per_window)]
+        lengths = ([spec.length] * (args.seq_len // spec.length) if shortest == spec.length else
+                   retrieval_task.mixed_lengths(args.seq_len, shortest, spec.length,
+                                                PAD_MULTIPLE, rng))
+        parts = [retrieval_task.make_sequence(retrieval_task.scaled(spec, n), filler, rng)
+                 for n in lengths]
         answers = Answers([], [], [], [])
-        for i, part in enumerate(parts):
-            offset = i * spec.length
-            base_query = i * spec.queries
+        offset = 0
+        for length, part in zip(lengths, parts):
+            base_query = len(answers.first_rows)
             answers.rows.extend(offset + p for p in part.answer_pos)
             answers.query.extend(base_query + q for q in part.answer_query)
             answers.first_rows.extend(offset + p for p in part.answer_pos[::spec.value_len])
             answers.record_blocks.extend([first // args.block_size, last // args.block_size]
                                          for first, last in part.record_span)
-        windows.append(Window(torch.cat([p.tokens for p in parts]), [spec.length] * per_window,
-                              [spec.length] * per_window, answers))
+            offset += length
+        windows.append(Window(torch.cat([p.tokens for p in parts]), lengths, lengths, answers))
     return windows
 
 
@@ -329,7 +338,7 @@ def build_model(args: argparse.Namespace, device: torch.device) -> GPTModel:
         config=config,
         transformer_layer_spec=get_gpt_layer_msa_spec(msa_config(args), use_te=False,
                                                       normalization="RMSNorm"),
-        vocab_size=VOCAB_SIZE,
+        vocab_size=args.vocab_size,
         max_sequence_length=args.seq_len,
         position_embedding_type="rope",
         share_embeddings_and_output_weights=False,
@@ -478,11 +487,69 @@ def summarize_probe(probe, uniform_count: int, window: Window, block_size: int,
             "key_hit": stats[2].tolist()}
 
 
-def run(name: str, args: argparse.Namespace, device: torch.device,
-        train_windows: List[Window], eval_windows: List[Window]) -> History:
-    """Train one model variant (:data:`VARIANTS`) for ``args.steps`` steps and evaluate it."""
-    sparse, index_trained, _ = VARIANTS[name]
-    args = variant_args(args, name)
+def set_top_k(model: GPTModel, top_k: int) -> None:
+    """Change the selected blocks per query of every MSA layer (own block only: 1)."""
+    for module in model.modules():
+        if isinstance(module, MSACoreAttention):
+            module.msa_config = dataclasses.replace(module.msa_config, top_k=top_k)
+
+
+def run_variants(args: argparse.Namespace, device: torch.device, train_windows: List[Window],
+                 eval_windows: List[Window],
+                 on_variant: Callable[[List[History]], None] = lambda histories: None
+                 ) -> List[History]:
+    """Train the shared dense warm-up once, then every ``--runs`` variant from its end.
+
+    All variants start from the same weights and optimizer state at step ``--warmup-steps`` and
+    read the same windows afterwards, so they differ only by what the variant changes: the
+    ``random`` variant puts the index branch back to its initial (random) weights and freezes it,
+    ``local`` keeps only the own block, ``dense`` stays dense. (Equivalent to training each from
+    scratch with the same seed: the index branch does not touch the backbone in dense mode.)
+    """
+    dp_size = parallel_state.get_data_parallel_world_size()
+    model = build_model(args, device)
+    initial_index = [p.detach().clone() for p in index_branch_parameters(model)]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
+                                  weight_decay=0.1)
+    # The KL gradient is injected inside each layer; scale it like the LM loss, whose gradient
+    # is summed over data-parallel ranks (CP ranks already share one KL normaliser).
+    set_kl_loss_scale(1.0 / dp_size)
+    set_msa_mode(model, "dense")
+    model.train()
+    warmup = History("warmup")
+    train_steps(warmup, model, optimizer, args, device, range(args.warmup_steps), "dense",
+                train_windows, eval_windows)
+    snapshot = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+    histories = []
+    for name in args.runs:
+        sparse, index_trained, _ = VARIANTS[name]
+        run_args = variant_args(args, name)
+        model.load_state_dict(snapshot[0])
+        optimizer.load_state_dict(copy.deepcopy(snapshot[1]))
+        for param, initial in zip(index_branch_parameters(model), initial_index):
+            if not index_trained:
+                param.data.copy_(initial)
+            param.requires_grad_(index_trained)
+        set_top_k(model, run_args.top_k)
+        mode = "sparse" if sparse else "dense"
+        set_msa_mode(model, mode)
+        model.train()
+        history = copy.deepcopy(warmup)
+        history.name = name
+        train_steps(history, model, optimizer, run_args, device,
+                    range(args.warmup_steps, args.steps), mode, train_windows, eval_windows)
+        finish(history, model, run_args, device, mode, eval_windows)
+        histories.append(history)
+        on_variant(histories)
+    return histories
+
+
+def train_steps(history: History, model: GPTModel, optimizer: torch.optim.Optimizer,
+                args: argparse.Namespace, device: torch.device, steps: range, mode: str,
+                train_windows: List[Window], eval_windows: List[Window]) -> None:
+    """Train ``steps`` (global step numbers, for the data order and the learning rate) in
+    ``mode``, appending to ``history`` on rank 0."""
+    name = history.name
     dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     dp_group = parallel_state.get_data_parallel_group()
     cp_group = parallel_state.get_context_parallel_group()
@@ -491,25 +558,8 @@ def run(name: str, args: argparse.Namespace, device: torch.device,
     is_logger = dist.get_rank() == 0
     autocast = args.dtype == "bf16"
     probing = args.cp == 1  # the selection probe does not gather keys across CP ranks yet
-
-    model = build_model(args, device)
-    if not index_trained:
-        for param in index_branch_parameters(model):
-            param.requires_grad_(False)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
-                                  lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    # The KL gradient is injected inside each layer; scale it like the LM loss, whose gradient
-    # is summed over data-parallel ranks (CP ranks already share one KL normaliser).
-    set_kl_loss_scale(1.0 / dp_size)
-    history = History(name)
-    mode = "dense"
-    set_msa_mode(model, mode)
-    model.train()
     start = time.perf_counter()
-    for step in range(args.steps):
-        if sparse and step == args.warmup_steps:
-            mode = "sparse"
-            set_msa_mode(model, mode)
+    for step in steps:
         step_start = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, args)
@@ -566,7 +616,15 @@ def run(name: str, args: argparse.Namespace, device: torch.device,
                       f"(layers {' '.join(f'{v:.3f}' for v in kl_per_layer)})  "
                       f"blocks {history.attended_fraction[-1]:.2f}{extra}  "
                       f"{history.tokens_per_s[-1]:,.0f} tok/s", flush=True)
-    history.seconds = time.perf_counter() - start
+    history.seconds += time.perf_counter() - start
+
+
+def finish(history: History, model: GPTModel, args: argparse.Namespace, device: torch.device,
+           mode: str, eval_windows: List[Window]) -> None:
+    """Held-out LM loss (and retrieval metrics) of a trained variant, into ``history``."""
+    name = history.name
+    is_logger = dist.get_rank() == 0
+    probing = args.cp == 1
     held_out = evaluate(model, eval_windows, args, device)
     retrieval = (evaluate_retrieval(model, eval_windows, args, device, probing)
                  if eval_windows and eval_windows[0].answers is not None else None)
@@ -581,7 +639,6 @@ def run(name: str, args: argparse.Namespace, device: torch.device,
                   f"({retrieval['questions']} questions), answer loss "
                   f"{retrieval['answer_loss']:.4f}, record block chosen "
                   f"{retrieval.get('key_hit', float('nan')):.2f}", flush=True)
-    return history
 
 
 def mean(values: Sequence[float]) -> float:
@@ -649,7 +706,7 @@ def evaluate_retrieval(model: GPTModel, windows: List[Window], args: argparse.Na
             result["distance_histogram"] = {
                 f"layer_{layer:02d}": distance_histogram(
                     sample.block_idx[:uniform], sample.q_pos[:uniform], args.block_size,
-                    args.seq_len // args.block_size)
+                    max(window.seq_lens) // args.block_size)
                 for layer, sample in sorted(probe[0].samples.items())}
     dist.all_reduce(loss_sum, group=cp_group)
     result.update({"exact_match": retrieval_task.exact_match(correct, value_len),
@@ -801,10 +858,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         if args.seq_len % args.task_len or args.task_len % PAD_MULTIPLE:
             p.error(f"--task-len ({args.task_len}) must divide --seq-len ({args.seq_len}) and be "
                     f"a multiple of {PAD_MULTIPLE}")
+        if args.task_len_min is not None and not (
+                PAD_MULTIPLE <= args.task_len_min <= args.task_len
+                and args.task_len_min % PAD_MULTIPLE == 0):
+            p.error(f"--task-len-min must be a multiple of {PAD_MULTIPLE} in "
+                    f"[{PAD_MULTIPLE}, --task-len]")
         try:
-            retrieval_task.spec_from_args(args).check()
+            spec = retrieval_task.spec_from_args(args)
+            spec.check()
         except ValueError as error:
             p.error(str(error))
+        args.vocab_size = -(-spec.vocab_size // 128) * 128  # divisible by any TP size <= 128
+    else:
+        args.vocab_size = VOCAB_SIZE
     return args
 
 
@@ -851,7 +917,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     split = split_files(stdlib_files(), args.seed)
     if args.task == "retrieval":
         train_windows = take_retrieval_windows(split["train"], args, args.steps * dp_size,
-                                               args.seed)
+                                               args.seed, mixed=True)
         eval_windows = take_retrieval_windows(split["held_out"], args, args.eval_windows,
                                               args.seed + 1)
     else:
@@ -862,13 +928,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"({sysconfig.get_paths()['stdlib']}); {len(train_windows)} train windows, "
               f"{len(eval_windows)} held-out windows", flush=True)
 
-    histories = [run(name, args, device, train_windows, eval_windows) for name in args.runs]
+    def save(histories: List[History]) -> None:  # after every variant: a cut run keeps some
+        if is_logger:
+            args.out_dir.mkdir(parents=True, exist_ok=True)
+            record = {"args": {k: str(v) for k, v in vars(args).items()},
+                      "runs": [vars(h) for h in histories]}
+            (args.out_dir / "metrics.json").write_text(json.dumps(record, indent=1))
+
+    histories = run_variants(args, device, train_windows, eval_windows, save)
 
     if is_logger:
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-        record = {"args": {k: str(v) for k, v in vars(args).items()},
-                  "runs": [vars(h) for h in histories]}
-        (args.out_dir / "metrics.json").write_text(json.dumps(record, indent=1))
         plot(histories, args.out_dir / "pretrain_tiny.png", args.warmup_steps)
         print("held-out loss: " + ", ".join(f"{h.name} {h.held_out_loss:.4f}" for h in histories))
         if args.task == "retrieval":

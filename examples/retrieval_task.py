@@ -1,57 +1,64 @@
 """Multi-query associative recall in long filler text: a task that needs long-range attention.
 
-Each sequence of ``length`` bytes is filler (the standard library's source text) with
-``pairs`` key -> value records placed at random positions, and ``queries`` questions near the
-end that repeat a key and must be answered with its value::
+Each sequence of ``length`` tokens is filler (the standard library's source text, byte tokens
+0-255) with ``pairs`` key -> value records placed at random positions, and ``queries``
+questions at the end that repeat a key and must be answered with its value::
 
-    ...filler...  \\x01KEYS\\x03vals\\x04  ...filler...  \\x01QWER\\x03abcd\\x04  ...filler...
-    ...           \\x02QWER\\x03abcd\\x04 \\x02KEYS\\x03vals\\x04            (queries at the end)
+    ...filler... K17 V302 ...filler... K5 V41 ...filler... K9 V77 ...filler...   K5 V41 K17 V302
+                 (records, at least min_distance tokens before the questions)     (questions)
 
-The value bytes after a query's separator (``abcd``) are the *answer tokens*: they can only be
-predicted by attending back to the record, at least ``min_distance`` tokens (many key blocks)
-earlier. Loss and exact match (all value bytes right, teacher-forced argmax) are measured on the
-answer tokens only. Keys are distinct upper-case strings; values random lower-case strings; the
-marker bytes 0x01-0x04 never occur in the filler. Everything is generated from a seed, with no
-download.
+Keys and values are tokens of their own, outside the byte range: keys ``256 ..
+256 + key_vocab - 1``, values after them (``value_len`` tokens each). The value tokens after a
+question's key are the *answer tokens*: they can only be predicted by attending back to the
+record, at least ``min_distance`` tokens (many key blocks) earlier; filler never holds a key,
+so the match is exact (the standard multi-query associative recall probe, in long filler).
+Loss and exact match (every value token right, teacher-forced argmax) are measured on the
+answer tokens only. Everything is generated from a seed, with no download.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import random
 from dataclasses import dataclass
 from typing import Iterator, List, Sequence
 
 import torch
 
-RECORD, QUERY, SEPARATOR, END = 1, 2, 3, 4
-KEY_ALPHABET = bytes(range(ord("A"), ord("Z") + 1))
-VALUE_ALPHABET = bytes(range(ord("a"), ord("z") + 1))
+BYTE_VOCAB = 256  # filler tokens are bytes; keys and values come after them
 
 
 @dataclass(frozen=True)
 class RetrievalSpec:
     """Generator parameters (command-line flags of the tiny example)."""
 
-    length: int  # bytes per sequence
+    length: int  # tokens per sequence
     pairs: int  # key -> value records per sequence
     queries: int  # questions per sequence (each asks a distinct record)
     min_distance: int  # tokens between a record and its question, at least
-    key_len: int = 4
-    value_len: int = 4
+    key_vocab: int = 256  # distinct key tokens
+    value_vocab: int = 32  # distinct value tokens
+    value_len: int = 1  # value tokens per record
 
     @property
     def record_len(self) -> int:
-        return self.key_len + self.value_len + 3  # marker, separator, end
+        return 1 + self.value_len
+
+    @property
+    def vocab_size(self) -> int:
+        """Tokens the model must know: bytes, keys, values."""
+        return BYTE_VOCAB + self.key_vocab + self.value_vocab
 
     def check(self) -> None:
         """Raise ValueError when the records and questions cannot fit as asked."""
-        if min(self.pairs, self.queries, self.key_len, self.value_len) < 1:
-            raise ValueError("--pairs, --queries, key and value lengths must be >= 1")
+        if min(self.pairs, self.queries, self.value_len, self.key_vocab, self.value_vocab) < 1:
+            raise ValueError("--pairs, --queries, value length and vocabularies must be >= 1")
         if self.queries > self.pairs:
             raise ValueError(f"--queries ({self.queries}) must not exceed --pairs ({self.pairs})")
-        if self.pairs > len(KEY_ALPHABET) ** self.key_len // 2:
-            raise ValueError(f"--pairs {self.pairs} is too many for distinct {self.key_len}-byte keys")
+        if self.pairs > self.key_vocab:
+            raise ValueError(f"--pairs ({self.pairs}) needs as many distinct keys; "
+                             f"--key-vocab is {self.key_vocab}")
         room = self.length - self.queries * self.record_len - self.min_distance
         if room < self.pairs * self.record_len:
             raise ValueError(
@@ -65,52 +72,70 @@ class RetrievalSequence:
     """One generated sequence and where its answers and records are (positions in it)."""
 
     tokens: torch.Tensor  # [length] int64
-    answer_pos: List[int]  # positions whose *label* (next token) is an answer byte
+    answer_pos: List[int]  # positions whose *label* (next token) is an answer token
     answer_query: List[int]  # question number of each answer position
     record_span: List[List[int]]  # per question: [first, last] position of the asked record
 
 
 def filler_stream(documents: Iterator[bytes]) -> Iterator[int]:
-    """Bytes of ``documents`` one by one, marker bytes removed (they never occur in Python
-    source, but a stray one would make a fake record)."""
+    """Bytes of ``documents`` one by one."""
     for doc in documents:
-        for byte in doc:
-            if byte > END:
-                yield byte
+        yield from doc
 
 
 def make_sequence(spec: RetrievalSpec, filler: Iterator[int], rng: random.Random) -> RetrievalSequence:
     """Generate one sequence of ``spec.length`` tokens (see the module docstring)."""
-    keys = set()
-    while len(keys) < spec.pairs:
-        keys.add(bytes(rng.choice(KEY_ALPHABET) for _ in range(spec.key_len)))
-    keys = sorted(keys)
-    rng.shuffle(keys)
-    values = [bytes(rng.choice(VALUE_ALPHABET) for _ in range(spec.value_len)) for _ in keys]
-    tokens = bytearray(next(filler) for _ in range(spec.length))
+    keys = rng.sample(range(spec.key_vocab), spec.pairs)
+    value_base = BYTE_VOCAB + spec.key_vocab
+    values = [[value_base + rng.randrange(spec.value_vocab) for _ in range(spec.value_len)]
+              for _ in keys]
+    tokens = [next(filler) for _ in range(spec.length)]
     rl = spec.record_len
     # Questions fill the end; records go at distinct, non-overlapping random slots before
     # ``limit``, so every question is at least min_distance tokens after its record.
     query_start = spec.length - spec.queries * rl
     limit = query_start - spec.min_distance
-    slots = sorted(rng.sample(range(limit // rl), spec.pairs))
-    starts = [s * rl for s in slots]
+    starts = [slot * rl for slot in sorted(rng.sample(range(limit // rl), spec.pairs))]
     for start, key, value in zip(starts, keys, values):
-        tokens[start:start + rl] = bytes([RECORD]) + key + bytes([SEPARATOR]) + value + bytes([END])
-    asked = rng.sample(range(spec.pairs), spec.queries)
+        tokens[start:start + rl] = [BYTE_VOCAB + key] + value
     answer_pos: List[int] = []
     answer_query: List[int] = []
     spans: List[List[int]] = []
-    for q, record in enumerate(asked):
+    for q, record in enumerate(rng.sample(range(spec.pairs), spec.queries)):
         start = query_start + q * rl
-        tokens[start:start + rl] = (bytes([QUERY]) + keys[record] + bytes([SEPARATOR])
-                                   + values[record] + bytes([END]))
-        sep = start + 1 + spec.key_len
-        answer_pos.extend(range(sep, sep + spec.value_len))  # sep predicts value byte 0, ...
+        tokens[start:start + rl] = [BYTE_VOCAB + keys[record]] + values[record]
+        answer_pos.extend(range(start, start + spec.value_len))  # key predicts value 0, ...
         answer_query.extend([q] * spec.value_len)
         spans.append([starts[record], starts[record] + rl - 1])
-    return RetrievalSequence(torch.tensor(list(tokens), dtype=torch.int64), answer_pos,
-                             answer_query, spans)
+    return RetrievalSequence(torch.tensor(tokens, dtype=torch.int64), answer_pos, answer_query,
+                             spans)
+
+
+def scaled(spec: RetrievalSpec, length: int) -> RetrievalSpec:
+    """The task at a shorter ``length``: records, questions and distance in proportion."""
+    ratio = length / spec.length
+    queries = max(1, round(spec.queries * ratio))
+    short = RetrievalSpec(length=length, pairs=max(queries, round(spec.pairs * ratio)),
+                          queries=queries, min_distance=round(spec.min_distance * ratio),
+                          key_vocab=spec.key_vocab, value_vocab=spec.value_vocab,
+                          value_len=spec.value_len)
+    short.check()
+    return short
+
+
+def mixed_lengths(total: int, shortest: int, longest: int, multiple: int,
+                  rng: random.Random) -> List[int]:
+    """Sequence lengths that fill ``total`` tokens: log-uniform in ``[shortest, longest]``,
+    multiples of ``multiple``; the last one takes what is left (at least ``shortest``)."""
+    lengths: List[int] = []
+    left = total
+    while left >= 2 * shortest:
+        draw = math.exp(rng.uniform(math.log(shortest), math.log(longest)))
+        length = min(left - shortest, max(shortest, int(draw) // multiple * multiple))
+        lengths.append(length)
+        left -= length
+    lengths.append(left)
+    return lengths
 
 
 def sequences(spec: RetrievalSpec, documents: Iterator[bytes], seed: int) -> Iterator[RetrievalSequence]:
@@ -128,11 +153,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--task-len", type=int, default=None,
                        help="tokens per retrieval sequence (default: --seq-len; a window packs "
                             "--seq-len / --task-len sequences)")
-    group.add_argument("--pairs", type=int, default=32, help="key -> value records per sequence")
-    group.add_argument("--queries", type=int, default=16, help="questions per sequence")
+    group.add_argument("--task-len-min", type=int, default=None,
+                       help="train on sequences of mixed lengths, log-uniform from this to "
+                            "--task-len (records, questions and distance in proportion), which "
+                            "teaches retrieval in far fewer steps; evaluation always uses "
+                            "--task-len (default: --task-len only)")
+    group.add_argument("--pairs", type=int, default=64, help="key -> value records per sequence")
+    group.add_argument("--queries", type=int, default=32, help="questions per sequence")
+    group.add_argument("--key-vocab", type=int, default=256, help="distinct key tokens")
+    group.add_argument("--value-vocab", type=int, default=32, help="distinct value tokens")
     group.add_argument("--min-distance", type=int, default=1024,
                        help="tokens between a record and its question, at least")
-    group.add_argument("--answer-weight", type=float, default=32.0,
+    group.add_argument("--answer-weight", type=float, default=64.0,
                        help="training-loss weight of an answer token (filler tokens weigh 1)")
     group.add_argument("--eval-interval", type=int, default=0,
                        help="steps between held-out exact-match measurements (0: at the end only)")
@@ -142,7 +174,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def spec_from_args(args: argparse.Namespace) -> RetrievalSpec:
     return RetrievalSpec(length=args.task_len, pairs=args.pairs, queries=args.queries,
-                         min_distance=args.min_distance)
+                         min_distance=args.min_distance, key_vocab=args.key_vocab,
+                         value_vocab=args.value_vocab)
 
 
 def exact_match(correct_per_query: Sequence[int], value_len: int) -> float:

@@ -5,45 +5,40 @@
 #   random  MSA with the index frozen at its random initialisation
 #   local   own block only (top-k 1)
 #   dense   dense attention every step
-# The four runs go in parallel, one process each (they are small; on one GPU they share it).
+# One process trains the dense warm-up once and then each variant from its end (same weights,
+# optimizer state and data), one after the other.
 #
 #   bash examples/run_retrieval.sh                        # 8K tokens, GPU 0
-#   LEN=32768 STEPS=1200 WARMUP=800 bash examples/run_retrieval.sh
-#   RUNS="msa dense" DEVICE=cpu LEN=1024 BLOCK=32 bash examples/run_retrieval.sh --layers 2
+#   LEN=32768 STEPS=900 WARMUP=700 TOPK=16 bash examples/run_retrieval.sh --task-len 32768
+#   RUNS=msa,dense DEVICE=cpu LEN=1024 BLOCK=32 bash examples/run_retrieval.sh --layers 2
 #
-# Environment: LEN (tokens per sequence), STEPS, WARMUP (dense steps before sparse), TOPK, BLOCK,
-# RUNS, DEVICE (cuda | cpu), OUT (default runs/retrieval_$LEN), PYTHON. Extra flags go to
-# examples/pretrain_tiny.py. Writes $OUT/<run>/metrics.json, then $OUT/retrieval.json, a table
-# ($OUT/retrieval.md) and plots ($OUT/retrieval.png) from examples/retrieval_report.py.
+# Environment: LEN (window tokens), STEPS, WARMUP (dense steps before the variants), TOPK,
+# BLOCK, RUNS (comma-separated), DEVICE (cuda | cpu), OUT (default runs/retrieval_$LEN),
+# PYTHON. Extra flags go to examples/pretrain_tiny.py (later flags win). Writes
+# $OUT/variants/metrics.json and its log, then $OUT/retrieval.json, a table ($OUT/retrieval.md)
+# and plots ($OUT/retrieval.png) from examples/retrieval_report.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 LEN=${LEN:-8192}
-STEPS=${STEPS:-1500}
+STEPS=${STEPS:-1300}
 WARMUP=${WARMUP:-1000}
-TOPK=${TOPK:-4}
+TOPK=${TOPK:-8}
 BLOCK=${BLOCK:-128}
-RUNS=${RUNS:-msa random local dense}
+RUNS=${RUNS:-msa,random,local,dense}
 DEVICE=${DEVICE:-cuda}
 OUT=${OUT:-runs/retrieval_$LEN}
 PYTHON=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 mkdir -p "$OUT"
-port=29600
-pids=()
-for run in $RUNS; do
-    port=$((port + 1))
-    MASTER_PORT=$port "$PYTHON" examples/pretrain_tiny.py --task retrieval --runs "$run" \
-        --device "$DEVICE" --seq-len "$LEN" --steps "$STEPS" --warmup-steps "$WARMUP" \
-        --top-k "$TOPK" --block-size "$BLOCK" --layers 4 --hidden 256 --ffn-hidden 704 \
-        --heads 4 --query-groups 2 --index-head-dim 64 --lr 1e-3 --lr-warmup 50 \
-        --log-interval 50 --eval-interval 100 --eval-windows 4 --out-dir "$OUT/$run" "$@" \
-        >"$OUT/$run.log" 2>&1 &
-    pids+=($!)
-done
 status=0
-for pid in "${pids[@]}"; do wait "$pid" || status=1; done
-for run in $RUNS; do echo "== $run"; grep -v Warning "$OUT/$run.log" | tail -4; done
-"$PYTHON" examples/retrieval_report.py "$OUT"
+MASTER_PORT=${MASTER_PORT:-$((20000 + RANDOM % 20000))} "$PYTHON" examples/pretrain_tiny.py \
+    --task retrieval --runs "$RUNS" --device "$DEVICE" --seq-len "$LEN" --steps "$STEPS" \
+    --warmup-steps "$WARMUP" --top-k "$TOPK" --block-size "$BLOCK" --layers 4 --hidden 256 \
+    --ffn-hidden 704 --heads 4 --query-groups 2 --index-head-dim 64 --lr 2e-3 --lr-warmup 50 \
+    --log-interval 50 --eval-interval 100 --eval-windows 2 --out-dir "$OUT/variants" "$@" \
+    >"$OUT/variants.log" 2>&1 || status=$?
+grep -v -i warn "$OUT/variants.log" | tail -12
+"$PYTHON" examples/retrieval_report.py "$OUT" || status=1
 exit $status

@@ -1,0 +1,89 @@
+"""The retrieval task of the tiny example: generator invariants, and a CPU smoke run of
+``examples/pretrain_tiny.py --task retrieval`` (it runs and reports its metrics; no accuracy
+bar: learning the task takes a GPU, see README's GPU section)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "examples"))
+
+import retrieval_task  # noqa: E402
+
+SPEC = retrieval_task.RetrievalSpec(length=512, pairs=12, queries=5, min_distance=200,
+                                    key_vocab=40, value_vocab=9)
+
+
+def test_sequences_hold_records_and_questions():
+    seqs = retrieval_task.sequences(SPEC, iter([b"x" * 10 ** 6]), seed=3)
+    for _ in range(5):
+        s = next(seqs)
+        tokens = s.tokens.tolist()
+        assert len(tokens) == SPEC.length
+        keys = [t for t in tokens if 256 <= t < 256 + SPEC.key_vocab]
+        assert len(keys) == SPEC.pairs + SPEC.queries  # every record, then every question
+        record_keys = keys[:SPEC.pairs]
+        assert len(set(record_keys)) == SPEC.pairs  # distinct keys
+        assert len(s.answer_pos) == SPEC.queries * SPEC.value_len
+        for q, (first, last) in enumerate(s.record_span):
+            answer = s.answer_pos[q * SPEC.value_len]
+            assert tokens[answer] == tokens[first]  # the question repeats the record's key
+            assert tokens[answer + 1:answer + 1 + SPEC.value_len] == tokens[first + 1:last + 1]
+            assert answer - last >= SPEC.min_distance
+            assert all(256 + SPEC.key_vocab <= t < SPEC.vocab_size
+                       for t in tokens[first + 1:last + 1])
+
+
+def test_generator_is_seeded():
+    a = next(retrieval_task.sequences(SPEC, iter([b"y" * 10 ** 5]), seed=7))
+    b = next(retrieval_task.sequences(SPEC, iter([b"y" * 10 ** 5]), seed=7))
+    c = next(retrieval_task.sequences(SPEC, iter([b"y" * 10 ** 5]), seed=8))
+    assert a.tokens.tolist() == b.tokens.tolist() and a.tokens.tolist() != c.tokens.tolist()
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(queries=13), "must not exceed"),
+    (dict(pairs=41, queries=5), "distinct keys"),
+    (dict(min_distance=600), "cannot hold"),
+])
+def test_spec_rejects_what_cannot_fit(change, message):
+    spec = retrieval_task.RetrievalSpec(**{**SPEC.__dict__, **change})
+    with pytest.raises(ValueError, match=message):
+        spec.check()
+
+
+@pytest.mark.slow
+def test_example_runs_retrieval_task_on_cpu(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(29000 + random.randrange(900)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, str(REPO / "examples" / "pretrain_tiny.py"), "--device", "cpu",
+           "--task", "retrieval", "--runs", "msa,random", "--steps", "4", "--warmup-steps", "2",
+           "--seq-len", "512", "--task-len", "256", "--layers", "2", "--hidden", "64",
+           "--ffn-hidden", "128", "--heads", "2", "--query-groups", "2", "--block-size", "16",
+           "--top-k", "3", "--index-head-dim", "32", "--pairs", "8", "--queries", "4",
+           "--min-distance", "64", "--eval-windows", "1", "--eval-interval", "2",
+           "--log-interval", "1", "--probe-rows", "16", "--out-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = json.loads((tmp_path / "metrics.json").read_text())
+    runs = {run["name"]: run for run in record["runs"]}
+    assert set(runs) == {"msa", "random"}
+    for run in runs.values():
+        r = run["retrieval"]
+        assert r["questions"] == 2 * 4  # two sequences of 256 tokens per window
+        assert 0.0 <= r["exact_match"] <= 1.0 and math.isfinite(r["answer_loss"])
+        assert 0.0 < r["recall"] <= 1.0 + 1e-6 and 0.0 <= r["key_hit"] <= 1.0
+        assert len(r["recall_per_layer"]) == 2 and set(r["distance_histogram"]) == {
+            "layer_01", "layer_02"}
+        assert run["probe_steps"] == [1, 2, 3, 4] and run["eval_steps"] == [2, 4]
+        assert all(len(v) == 2 for v in run["key_hit_per_layer"])
+    assert "| msa |" in proc.stdout and "exact match" in proc.stdout

@@ -1,0 +1,90 @@
+"""Selection-quality diagnostics (msa_megatron/diagnostics.py) against a brute-force oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from msa_megatron.diagnostics import (
+    distance_bins,
+    distance_histogram,
+    sample_rows,
+    selection_recall,
+)
+from msa_megatron.reference import select_blocks_reference
+from tests.conftest import make_inputs
+
+
+def _recall_oracle(inp, rows, block_size, top_k, backend_sel):
+    """Per (row, index head): dense softmax per query head over the whole causal prefix of its
+    sequence, averaged over the index head's query heads, summed over the selected blocks."""
+    q, k, cu = inp["q"].double(), inp["k"].double(), inp["cu_seqlens"].tolist()
+    Hq, Hkv, Hi, D = q.shape[1], k.shape[1], inp["q_idx"].shape[1], q.shape[2]
+    out = torch.zeros(len(rows), Hi, dtype=torch.float64)
+    for r, t in enumerate(rows.tolist()):
+        seq = max(i for i in range(len(cu) - 1) if cu[i] <= t < cu[i + 1])
+        start, p = cu[seq], t - cu[seq]
+        for i in range(Hi):
+            heads = range(i * Hq // Hi, (i + 1) * Hq // Hi)
+            mass = 0.0
+            for h in heads:
+                g = h // (Hq // Hkv)
+                logits = (k[start:t + 1, g] @ q[t, h]) * D ** -0.5
+                probs = torch.softmax(logits, 0)
+                chosen = {b for b in backend_sel[t, i].tolist() if b >= 0}
+                mass += sum(float(probs[u]) for u in range(p + 1) if u // block_size in chosen)
+            out[r, i] = mass / len(heads)
+    return out
+
+
+@pytest.mark.parametrize("lengths,heads,kv_heads,index_heads", [
+    ((40, 7, 90), 4, 2, 2),     # a sequence shorter than a block, partial last blocks
+    ((130,), 16, 1, 1),         # G = 16
+    ((33, 64), 2, 2, 2),        # G = 1
+])
+def test_recall_matches_bruteforce(lengths, heads, kv_heads, index_heads, seed):
+    inp = make_inputs(lengths, heads=heads, kv_heads=kv_heads, index_heads=index_heads,
+                      dtype=torch.float64, seed=seed, requires_grad=False)
+    T = sum(lengths)
+    rows = sample_rows(T, 25, torch.Generator().manual_seed(seed))
+    opts = dict(block_size=16, top_k=3)
+    sample = selection_recall(inp["q"], inp["k"], inp["q_idx"], inp["k_idx"], rows,
+                              inp["cu_seqlens"], backend="reference", **opts)
+    full_sel = select_blocks_reference(inp["q_idx"], inp["k_idx"], inp["cu_seqlens"], **opts)
+    assert torch.equal(sample.block_idx, full_sel[rows])
+    expected = _recall_oracle(inp, rows, 16, 3, full_sel)
+    torch.testing.assert_close(sample.recall.double(), expected, rtol=1e-5, atol=1e-6)
+    assert sample.recall.shape == (rows.numel(), index_heads)
+    assert torch.all(sample.recall <= 1 + 1e-6) and torch.all(sample.recall >= 0)
+
+
+def test_recall_is_one_when_every_block_is_selected(seed):
+    inp = make_inputs((50, 100), seed=seed, requires_grad=False)
+    rows = torch.arange(150)
+    sample = selection_recall(inp["q"], inp["k"], inp["q_idx"], inp["k_idx"], rows,
+                              inp["cu_seqlens"], block_size=16, top_k=7, backend="torch")
+    torch.testing.assert_close(sample.recall, torch.ones_like(sample.recall))
+    # With one block (the own one) only, the recall is the mass of the own block: < 1 somewhere.
+    own = selection_recall(inp["q"], inp["k"], inp["q_idx"], inp["k_idx"], rows,
+                           inp["cu_seqlens"], block_size=16, top_k=1, backend="torch")
+    assert float(own.recall.min()) < 0.99
+
+
+def test_recall_rejects_bad_rows():
+    inp = make_inputs((20,), requires_grad=False)
+    args = (inp["q"], inp["k"], inp["q_idx"], inp["k_idx"])
+    with pytest.raises(ValueError, match="rows must lie"):
+        selection_recall(*args, torch.tensor([0, 20]), block_size=16, top_k=1)
+    with pytest.raises(ValueError, match="1-D integer"):
+        selection_recall(*args, torch.tensor([0.0]), block_size=16, top_k=1)
+    with pytest.raises(ValueError, match="positive"):
+        sample_rows(10, 0)
+
+
+def test_distance_histogram_bins():
+    # Query in block 9 (B = 16, position 150): own 9, neighbour 8, sink 0, 7 -> "2-3",
+    # 3 and 2 -> "4-7"; unused slots are ignored.
+    block_idx = torch.tensor([[[0, 2, 3, 7, 8, 9, -1]]], dtype=torch.int32)
+    counts = distance_histogram(block_idx, torch.tensor([150]), 16, max_distance=9)
+    assert list(counts) == distance_bins(9) == ["own", "neighbour", "sink", "2-3", "4-7", "8-15"]
+    assert counts == {"own": 1, "neighbour": 1, "sink": 1, "2-3": 1, "4-7": 2, "8-15": 0}

@@ -33,66 +33,23 @@ from megatron.core.enums import ModelType
 from megatron.core.utils import get_attr_wrapped_model, get_batch_on_this_cp_rank
 from megatron.training import get_args, get_tokenizer, pretrain, print_rank_0
 from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
-from megatron.training.arguments import parse_and_validate_args
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
-from msa_megatron import MSAConfig
-from msa_megatron.config import BACKENDS, CP_KV_EXCHANGES
+from msa_gpt_setup import (add_msa_args, adapt_to_installed_kernels, attended_block_fraction,
+                           fit_lr_schedule,
+                           installed_kernels, msa_config_from_args, msa_mode_at, notice)
 from msa_megatron.megatron import get_gpt_layer_msa_spec, get_msa_metrics, set_msa_mode
 
 KL_REPORT_KEY = "msa kl"
+BLOCKS_REPORT_KEY = "msa blocks"  # share of causal key blocks attended (1 when dense)
 _current_mode: Optional[str] = None
 
 
-def add_msa_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """MSA flags (``extra_args_provider`` of ``parse_and_validate_args``); defaults: MSAConfig."""
-    defaults = MSAConfig()
-    group = parser.add_argument_group(title="MiniMax Sparse Attention (msa-megatron)")
-    group.add_argument("--msa-block-size", type=int, default=defaults.block_size,
-                       help="key block size in tokens")
-    group.add_argument("--msa-top-k", type=int, default=defaults.top_k,
-                       help="selected blocks per query token and index head (forced included)")
-    group.add_argument("--msa-init-blocks", type=int, default=defaults.init_blocks,
-                       help="first blocks of every sequence always selected")
-    group.add_argument("--msa-local-blocks", type=int, default=defaults.local_blocks,
-                       help="last blocks up to the query's own block always selected")
-    group.add_argument("--msa-index-heads", type=int, default=defaults.index_heads,
-                       help="index query heads of the layer (default: one per query group)")
-    group.add_argument("--msa-index-key-heads", type=int, default=defaults.index_key_heads,
-                       help="index key heads (default 1, shared)")
-    group.add_argument("--msa-index-head-dim", type=int, default=defaults.index_head_dim)
-    group.add_argument("--msa-kl-coeff", type=float, default=defaults.kl_coeff,
-                       help="weight of the summed per-layer index-branch KL losses")
-    group.add_argument("--msa-warmup-steps", type=int, default=0,
-                       help="iterations of dense attention before switching to sparse MSA")
-    group.add_argument("--msa-backend", choices=BACKENDS, default=defaults.backend,
-                       help="kernel backend (default: triton on CUDA)")
-    group.add_argument("--msa-cp-kv-exchange", choices=CP_KV_EXCHANGES,
-                       default=defaults.cp_kv_exchange,
-                       help="how context-parallel ranks exchange the selected K/V blocks")
-    return parser
-
-
-def msa_config_from_args(args: argparse.Namespace) -> MSAConfig:
-    """MSAConfig of the ``--msa-*`` flags, starting dense when there is a warmup."""
-    return MSAConfig(
-        block_size=args.msa_block_size,
-        top_k=args.msa_top_k,
-        init_blocks=args.msa_init_blocks,
-        local_blocks=args.msa_local_blocks,
-        index_heads=args.msa_index_heads,
-        index_key_heads=args.msa_index_key_heads,
-        index_head_dim=args.msa_index_head_dim,
-        kl_coeff=args.msa_kl_coeff,
-        mode="dense" if args.msa_warmup_steps > 0 else "sparse",
-        backend=args.msa_backend,
-        cp_kv_exchange=args.msa_cp_kv_exchange,
-    )
-
-
-def msa_mode_at(iteration: int, warmup_steps: int) -> str:
-    """``"dense"`` for the first ``warmup_steps`` iterations, then ``"sparse"``."""
-    return "dense" if iteration < warmup_steps else "sparse"
+def package_is_patched(args: argparse.Namespace) -> bool:
+    """True when megatron.training carries ``patches/`` (its parser has ``--msa``): the patched
+    training loop then switches the warmup and logs the KL itself, so the entry point leaves
+    both to it (no double switching, no KL counted twice)."""
+    return hasattr(args, "msa")
 
 
 def get_batch(data_iterator, vp_stage: Optional[int] = None) -> Dict[str, Optional[torch.Tensor]]:
@@ -107,40 +64,62 @@ def get_batch(data_iterator, vp_stage: Optional[int] = None) -> Dict[str, Option
                                      cp_group=parallel_state.get_context_parallel_group())
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, report_kl: bool = True
               ) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]:
-    """Summed masked LM loss, token count, and the report Megatron logs (``lm loss``, ``msa kl``).
+    """Summed masked LM loss, token count, and the report Megatron logs: ``lm loss``, ``msa kl``
+    (mean over layers), ``msa kl layer_NN`` (per layer) and ``msa blocks`` (the share of causal
+    key blocks each query attends: 1 in dense mode, ``top_k`` of the causal blocks in sparse).
 
     The KL is the mean over this pipeline stage's MSA layers of their index-branch KL for this
     micro-batch (TP and CP shares added; Megatron then averages it over data-parallel ranks
     weighted by tokens, like the LM loss). With pipeline parallelism it covers the last stage's
-    layers; ``patches/`` logs every layer from the training loop instead.
+    layers; ``patches/`` logs every layer from the training loop instead (``report_kl=False``
+    then, so the patched loop reads the metrics).
     """
     losses = output_tensor.view(-1).float()
     loss_mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * loss_mask)
     num_tokens = loss_mask.sum().clone().detach().to(torch.int)
     report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+    if not report_kl:
+        return loss, num_tokens, report
     metrics = get_msa_metrics(group=parallel_state.get_tensor_and_context_parallel_group())
+    weight = num_tokens.view(1).float()
+    for key, value in sorted(metrics.items()):
+        if key == "msa/kl" or key.startswith("msa/kl/layer_"):
+            name = KL_REPORT_KEY if key == "msa/kl" else f"{KL_REPORT_KEY} {key[len('msa/kl/'):]}"
+            kl = torch.tensor([value], device=loss.device) * weight
+            report[name] = torch.cat([kl.view(1), weight])
     if "msa/kl" in metrics:
-        kl = torch.tensor([metrics["msa/kl"]], device=loss.device) * num_tokens
-        report[KL_REPORT_KEY] = torch.cat([kl.view(1), num_tokens.view(1).float()])
+        args = get_args()
+        share = 1.0 if _current_mode == "dense" else attended_block_fraction(
+            args.seq_length, args.msa_block_size, args.msa_top_k)
+        report[BLOCKS_REPORT_KEY] = torch.cat([torch.tensor([share], device=loss.device) * weight,
+                                               weight])
     return loss, num_tokens, report
 
 
 def forward_step(data_iterator, model):
-    """One micro-batch forward: the MSA warmup switch, then the GPT forward with labels."""
+    """One micro-batch forward: the MSA warmup switch, then the GPT forward with labels.
+
+    The switch reads ``args.curr_iteration``, the 0-based iteration Megatron's loop sets from
+    its counter, which a resumed run restores from the checkpoint: a run stopped after N
+    iterations continues at N + 1 in the mode that iteration has.
+    """
     global _current_mode
     args = get_args()
-    mode = msa_mode_at(getattr(args, "curr_iteration", 0), args.msa_warmup_steps)
-    if mode != _current_mode:
-        set_msa_mode(model, mode)
-        print_rank_0(f"MSA attention mode: {mode} (iteration {getattr(args, 'curr_iteration', 0)})")
-        _current_mode = mode
+    patched = package_is_patched(args)
+    if not patched:  # the patched loop calls apply_msa_warmup itself
+        iteration = getattr(args, "curr_iteration", 0)
+        mode = msa_mode_at(iteration, args.msa_warmup_steps)
+        if mode != _current_mode:
+            set_msa_mode(model, mode)
+            print_rank_0(f"MSA attention mode: {mode} (iteration {iteration + 1})")
+            _current_mode = mode
     batch = get_batch(data_iterator, get_attr_wrapped_model(model, "vp_stage"))
     output_tensor = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
                           loss_mask=batch["loss_mask"])
-    return output_tensor, partial(loss_func, batch["loss_mask"])
+    return output_tensor, partial(loss_func, batch["loss_mask"], report_kl=not patched)
 
 
 def is_dataset_built_on_rank(vp_stage: Optional[int] = None) -> bool:
@@ -188,10 +167,36 @@ def _use_prebuilt_dataset_helpers() -> None:
         dataset_utils.compile_helpers = lambda: None
 
 
-def main() -> None:
-    _use_prebuilt_dataset_helpers()
-    args = parse_and_validate_args(extra_args_provider=add_msa_args,
-                                   args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+def parse_msa_gpt_args(extra_args_provider=add_msa_args) -> argparse.Namespace:
+    """Megatron's arguments plus the MSA flags, adapted to this machine, validated and set as
+    megatron's globals (``parse_and_validate_args`` with one step added before validation).
+
+    The step (:func:`msa_gpt_setup.adapt_to_installed_kernels`, :func:`fit_lr_schedule`) turns
+    off what needs Transformer Engine / Apex when they are absent and keeps the learning-rate
+    warmup shorter than the decay; it prints one line saying what it changed.
+    """
+    import sys
+
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.global_vars import set_global_variables
+
+    args = parse_args(extra_args_provider)
+    if args.use_checkpoint_args:
+        from megatron.training.checkpointing import load_args_from_checkpoint
+
+        load_args_from_checkpoint(args, load_arg="pretrained_checkpoint")
+        load_args_from_checkpoint(args)
+    kernels = installed_kernels()
+    changed = adapt_to_installed_kernels(args, sys.argv[1:], kernels) + fit_lr_schedule(args)
+    if changed and args.rank == 0:
+        print(notice(kernels, changed), flush=True)
+    validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
+    set_global_variables(args)
+    return args
+
+
+def msa_model_config(args: argparse.Namespace):
+    """Megatron's GPT model config of ``args`` with every attention layer MSA."""
     model_cfg = gpt_config_from_args(args)
     transformer = model_cfg.transformer
     model_cfg.transformer_layer_spec = get_gpt_layer_msa_spec(
@@ -200,8 +205,14 @@ def main() -> None:
         qk_layernorm=transformer.qk_layernorm,
         normalization=transformer.normalization,
     )
+    return model_cfg
+
+
+def main() -> None:
+    _use_prebuilt_dataset_helpers()
+    args = parse_msa_gpt_args()
     pretrain(
-        pretrain_cfg_container_from_args(args, model_cfg),
+        pretrain_cfg_container_from_args(args, msa_model_config(args)),
         train_valid_test_datasets_provider,
         ModelType.encoder_or_decoder,
         forward_step,

@@ -1,0 +1,208 @@
+"""Argument handling of the Megatron-LM launch kit, importable without ``megatron.training``.
+
+Shared by ``pretrain_msa_gpt.py`` and ``convert_dense_to_msa.py`` (which need megatron-core
+0.19.x, Python >= 3.12) and tested on any Python by ``tests/e2e/test_megatron_lm_kit.py``:
+
+- :func:`add_msa_args` / :func:`msa_config_from_args`: the ``--msa-*`` flags and their
+  :class:`~msa_megatron.MSAConfig` (a minimal mapping kept here; the library may offer its own);
+- :func:`msa_mode_at`: the dense-warmup switch, keyed on the iteration counter (restored from
+  the checkpoint on resume);
+- :func:`adapt_to_installed_kernels`: turns off what needs Transformer Engine or Apex when they
+  are absent (fusions, persistent layer norm, sequence parallelism with torch norms);
+- :func:`fit_lr_schedule`: keeps the learning-rate warmup shorter than the decay for any
+  ``--train-iters >= 1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from typing import Dict, Iterable, List, Optional
+
+from msa_megatron import MSAConfig
+from msa_megatron.config import BACKENDS, CP_KV_EXCHANGES
+
+# MSAConfig fields set by --msa-<field> flags (dashes for underscores).
+MSA_CONFIG_FLAGS = ("block_size", "top_k", "init_blocks", "local_blocks", "index_heads",
+                    "index_key_heads", "index_head_dim", "kl_coeff", "backend", "cp_kv_exchange")
+
+
+def parser_has_msa_flags(parser: argparse.ArgumentParser) -> bool:
+    """True when ``parser`` already defines the ``--msa-*`` flags (a patched megatron.training,
+    ``patches/0001-msa-arguments.patch``)."""
+    return any("--msa-top-k" in action.option_strings for action in parser._actions)
+
+
+def add_msa_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The ``--msa-*`` flags (``extra_args_provider`` of megatron's argument parser).
+
+    Defaults are :class:`MSAConfig`'s. When the parser already has them (megatron.training
+    patched with ``patches/``), nothing is added, so the two never clash.
+    """
+    if parser_has_msa_flags(parser):
+        return parser
+    defaults = MSAConfig()
+    group = parser.add_argument_group(title="MiniMax Sparse Attention (msa-megatron)")
+    group.add_argument("--msa-block-size", type=int, default=defaults.block_size,
+                       help="key block size in tokens")
+    group.add_argument("--msa-top-k", type=int, default=defaults.top_k,
+                       help="selected blocks per query token and index head (forced included)")
+    group.add_argument("--msa-init-blocks", type=int, default=defaults.init_blocks,
+                       help="first blocks of every sequence always selected")
+    group.add_argument("--msa-local-blocks", type=int, default=defaults.local_blocks,
+                       help="last blocks up to the query's own block always selected")
+    group.add_argument("--msa-index-heads", type=int, default=defaults.index_heads,
+                       help="index query heads of the layer (default: one per query group)")
+    group.add_argument("--msa-index-key-heads", type=int, default=defaults.index_key_heads,
+                       help="index key heads (default 1, shared)")
+    group.add_argument("--msa-index-head-dim", type=int, default=defaults.index_head_dim)
+    group.add_argument("--msa-kl-coeff", type=float, default=defaults.kl_coeff,
+                       help="weight of the summed per-layer index-branch KL losses")
+    group.add_argument("--msa-warmup-steps", type=int, default=0,
+                       help="iterations of dense attention before switching to sparse MSA "
+                            "(counted from iteration 0 of the run, restored on resume)")
+    group.add_argument("--msa-backend", choices=BACKENDS, default=defaults.backend,
+                       help="kernel backend (default: triton on CUDA)")
+    group.add_argument("--msa-cp-kv-exchange", choices=CP_KV_EXCHANGES,
+                       default=defaults.cp_kv_exchange,
+                       help="how context-parallel ranks exchange the selected K/V blocks")
+    return parser
+
+
+def msa_config_from_args(args: argparse.Namespace) -> MSAConfig:
+    """MSAConfig of the ``--msa-*`` flags, starting dense when there is a warmup.
+
+    Flags that are unset (None, as the patched parser leaves them) keep MSAConfig's defaults.
+
+    Raises:
+        ValueError: from MSAConfig, for invalid values (e.g. ``--msa-top-k 0``).
+    """
+    fields = {name: getattr(args, "msa_" + name) for name in MSA_CONFIG_FLAGS
+              if getattr(args, "msa_" + name, None) is not None}
+    warmup = getattr(args, "msa_warmup_steps", 0) or 0
+    return MSAConfig(mode="dense" if warmup > 0 else "sparse", **fields)
+
+
+def msa_mode_at(iteration: int, warmup_steps: int) -> str:
+    """``"dense"`` for iterations ``0 .. warmup_steps - 1`` (0-based, Megatron's
+    ``args.curr_iteration``), then ``"sparse"``."""
+    return "dense" if iteration < warmup_steps else "sparse"
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def installed_kernels() -> Dict[str, bool]:
+    """Which optional fused-kernel packages import here.
+
+    Returns:
+        ``transformer_engine``, ``apex``, ``fused_weight_gradient_mlp_cuda`` (Apex's gradient
+        accumulation fusion), ``scaled_masked_softmax_cuda`` (megatron's fused softmax).
+    """
+    return {name: _importable(name) for name in (
+        "transformer_engine", "apex", "fused_weight_gradient_mlp_cuda",
+        "scaled_masked_softmax_cuda")}
+
+
+def _given(argv: Iterable[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def adapt_to_installed_kernels(args: argparse.Namespace, argv: Iterable[str],
+                               kernels: Optional[Dict[str, bool]] = None) -> List[str]:
+    """Turn off, in place, what needs Transformer Engine or Apex when they are absent.
+
+    Call between megatron's ``parse_args`` and ``validate_args``.
+
+    Args:
+        args: megatron's parsed arguments (``transformer_impl``, ``gradient_accumulation_fusion``,
+            ``no_persist_layer_norm``, ``apply_rope_fusion``, ``masked_softmax_fusion``,
+            ``sequence_parallel``, ``tensor_model_parallel_size``, ``normalization``).
+        argv: the command line (to tell an explicit ``--transformer-impl`` from the default).
+        kernels: :func:`installed_kernels` (computed when None).
+
+    Returns:
+        What was turned off, one short phrase each (empty when nothing was).
+
+    Raises:
+        ValueError: ``--transformer-impl transformer_engine`` given explicitly without
+            Transformer Engine.
+    """
+    kernels = installed_kernels() if kernels is None else kernels
+    argv = list(argv)
+    off: List[str] = []
+    if args.transformer_impl == "transformer_engine" and not kernels["transformer_engine"]:
+        if _given(argv, "--transformer-impl"):
+            raise ValueError("--transformer-impl transformer_engine but transformer_engine "
+                             "cannot be imported: install it or pass --transformer-impl local")
+        args.transformer_impl = "local"
+        off.append("Transformer Engine layers (--transformer-impl local)")
+    local = args.transformer_impl == "local"
+    if local and args.gradient_accumulation_fusion and not kernels["fused_weight_gradient_mlp_cuda"]:
+        args.gradient_accumulation_fusion = False
+        off.append("gradient accumulation fusion")
+    if local and not args.no_persist_layer_norm and not kernels["apex"]:
+        args.no_persist_layer_norm = True
+        off.append("persistent layer norm")
+    if getattr(args, "apply_rope_fusion", False) and not kernels["transformer_engine"]:
+        args.apply_rope_fusion = False
+        off.append("RoPE fusion")
+    if (local and getattr(args, "masked_softmax_fusion", False)
+            and not kernels["scaled_masked_softmax_cuda"]):
+        args.masked_softmax_fusion = False
+        off.append("masked softmax fusion")
+    torch_norms = local and (not kernels["apex"] or args.normalization == "RMSNorm")
+    if torch_norms and args.sequence_parallel:
+        args.sequence_parallel = False
+        off.append("sequence parallel (torch norms)")
+    return off
+
+
+def fit_lr_schedule(args: argparse.Namespace) -> List[str]:
+    """Keep ``--lr-warmup-iters`` below the decay length (``--lr-decay-iters``, else
+    ``--train-iters``), as megatron's ``OptimizerParamScheduler`` asserts; in place.
+
+    Returns:
+        One phrase when the warmup was shortened, else nothing.
+    """
+    train_iters = getattr(args, "train_iters", None)
+    if not train_iters:
+        return []
+    decay = args.lr_decay_iters or train_iters
+    if args.lr_warmup_iters and args.lr_warmup_iters >= decay:
+        old = args.lr_warmup_iters
+        args.lr_warmup_iters = max(0, decay - 1) if decay < 10 else decay // 10
+        return [f"lr warmup {old} -> {args.lr_warmup_iters} iterations (decay is {decay})"]
+    return []
+
+
+def notice(kernels: Dict[str, bool], off: List[str]) -> str:
+    """The one-line notice of what :func:`adapt_to_installed_kernels` turned off."""
+    absent = [name for name, label in (("transformer_engine", "Transformer Engine"),
+                                       ("apex", "Apex")) if not kernels.get(name)]
+    why = f" ({', '.join(absent)} not installed)" if absent else ""
+    return f"msa-megatron: turned off{why}: {'; '.join(off)}"
+
+
+def attended_block_fraction(seq_len: int, block_size: int, top_k: int) -> float:
+    """Share of causal key blocks a query attends in sparse mode, over a window of ``seq_len``
+    tokens (one causal sequence): query block ``i`` (0-based) sees ``i + 1`` blocks and attends
+    ``min(i + 1, top_k)`` of them; weighted by the tokens of each query block.
+
+    Raises:
+        ValueError: a non-positive argument.
+    """
+    if min(seq_len, block_size, top_k) <= 0:
+        raise ValueError(f"seq_len, block_size, top_k must be positive, got "
+                         f"{seq_len}, {block_size}, {top_k}")
+    attended = causal = 0
+    for start in range(0, seq_len, block_size):
+        tokens = min(block_size, seq_len - start)
+        visible = start // block_size + 1
+        attended += tokens * min(visible, top_k)
+        causal += tokens * visible
+    return attended / causal

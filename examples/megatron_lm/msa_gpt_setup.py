@@ -37,8 +37,14 @@ def add_msa_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The ``--msa-*`` flags (``extra_args_provider`` of megatron's argument parser).
 
     Defaults are :class:`MSAConfig`'s. When the parser already has them (megatron.training
-    patched with ``patches/``), nothing is added, so the two never clash.
+    patched with ``patches/``), they are not added again, so the two never clash. Also adds
+    the kit's ``--dense-gpt`` (train megatron-core's plain GPT, e.g. the dense start of
+    ``convert_dense_to_msa.py``).
     """
+    kit = parser.add_argument_group(title="msa-megatron launch kit")
+    kit.add_argument("--dense-gpt", action="store_true",
+                     help="train a plain dense GPT (megatron-core's layer spec, no MSA layers): "
+                          "the starting point of convert_dense_to_msa.py")
     if parser_has_msa_flags(parser):
         return parser
     defaults = MSAConfig()

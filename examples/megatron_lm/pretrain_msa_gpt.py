@@ -7,7 +7,15 @@ wheel, Python >= 3.12), so no Megatron-LM checkout and no patch is needed:
 - every attention layer is MSA: the GPT model config gets ``get_gpt_layer_msa_spec``;
 - the dense-warmup-to-sparse switch happens in :func:`forward_step` (``--msa-warmup-steps``);
 - the index-branch KL is reported next to ``lm loss`` in Megatron's training log by
-  :func:`loss_func` (as ``msa kl``, averaged like the LM loss).
+  :func:`loss_func` (``msa kl``, per layer ``msa kl layer_NN``, averaged like the LM loss) with
+  the share of causal key blocks attended (``msa blocks``);
+- what needs Transformer Engine or Apex is turned off when they are absent, and the LR warmup
+  kept below the decay, with one printed line (:func:`parse_msa_gpt_args`);
+- ``--dense-gpt`` trains megatron-core's plain GPT instead (the dense start of
+  ``convert_dense_to_msa.py``).
+
+With a megatron.training patched by ``patches/`` the flags come from the patch and the
+patched loop does the warmup switch and KL logging; this entry point then leaves both to it.
 
 Data: Megatron's indexed GPT datasets (``--data-path``, ``--split``, tokenizer flags) or
 ``--mock-data``. Sequences are fixed windows (SBHD); context parallelism splits them in
@@ -109,7 +117,8 @@ def forward_step(data_iterator, model):
     global _current_mode
     args = get_args()
     patched = package_is_patched(args)
-    if not patched:  # the patched loop calls apply_msa_warmup itself
+    report_kl = not (patched or args.dense_gpt)
+    if report_kl:  # the patched loop calls apply_msa_warmup itself
         iteration = getattr(args, "curr_iteration", 0)
         mode = msa_mode_at(iteration, args.msa_warmup_steps)
         if mode != _current_mode:
@@ -119,7 +128,7 @@ def forward_step(data_iterator, model):
     batch = get_batch(data_iterator, get_attr_wrapped_model(model, "vp_stage"))
     output_tensor = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
                           loss_mask=batch["loss_mask"])
-    return output_tensor, partial(loss_func, batch["loss_mask"], report_kl=not patched)
+    return output_tensor, partial(loss_func, batch["loss_mask"], report_kl=report_kl)
 
 
 def is_dataset_built_on_rank(vp_stage: Optional[int] = None) -> bool:
@@ -180,6 +189,7 @@ def parse_msa_gpt_args(extra_args_provider=add_msa_args) -> argparse.Namespace:
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.global_vars import set_global_variables
 
+    _use_prebuilt_dataset_helpers()
     args = parse_args(extra_args_provider)
     if args.use_checkpoint_args:
         from megatron.training.checkpointing import load_args_from_checkpoint
@@ -196,8 +206,11 @@ def parse_msa_gpt_args(extra_args_provider=add_msa_args) -> argparse.Namespace:
 
 
 def msa_model_config(args: argparse.Namespace):
-    """Megatron's GPT model config of ``args`` with every attention layer MSA."""
+    """Megatron's GPT model config of ``args`` with every attention layer MSA (unchanged, a
+    plain GPT, with ``--dense-gpt``)."""
     model_cfg = gpt_config_from_args(args)
+    if args.dense_gpt:
+        return model_cfg
     transformer = model_cfg.transformer
     model_cfg.transformer_layer_spec = get_gpt_layer_msa_spec(
         msa_config_from_args(args),
@@ -209,7 +222,6 @@ def msa_model_config(args: argparse.Namespace):
 
 
 def main() -> None:
-    _use_prebuilt_dataset_helpers()
     args = parse_msa_gpt_args()
     pretrain(
         pretrain_cfg_container_from_args(args, msa_model_config(args)),

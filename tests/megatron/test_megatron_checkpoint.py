@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from tests.dist_utils import cuda_device_as_cpu, run_distributed
+from tests.dist_utils import cuda_device_as_cpu, run_distributed, selected_device
 from tests.megatron.gpt_harness import (
     BATCH,
     Setup,
@@ -87,7 +87,7 @@ def _save_dense(rank: int, world_size: int, path: str) -> dict:
                      transformer_layer_spec=get_gpt_layer_local_spec(
                          qk_layernorm=True, normalization="RMSNorm"),
                      vocab_size=msa_model.vocab_size, max_sequence_length=SETUP.seq * BATCH,
-                     position_embedding_type="rope")
+                     position_embedding_type="rope").to(selected_device())  # NCCL: on the GPU
     with cuda_device_as_cpu():
         dist_checkpointing.save(dense.sharded_state_dict(), path)
     return {n: full_tensor(p) for n, p in dense.named_parameters()}

@@ -106,7 +106,8 @@ def _exchange_worker(rank: int, world_size: int) -> list:
     from msa_megatron.megatron import get_msa_metrics
 
     cp = parallel_state.get_context_parallel_world_size()
-    local = {n: _local_half(t, cp, rank) for n, t in _inputs().items()}
+    device = selected_device()  # NCCL exchanges device tensors only
+    local = {n: _local_half(t, cp, rank).to(device) for n, t in _inputs().items()}
     used = []
     for cp_kv_exchange, cp_comm_type, _ in EXCHANGE_CASES:
         core = _core(parallel_state.get_context_parallel_group(), cp_kv_exchange, cp_comm_type)

@@ -59,7 +59,9 @@ def _worker(rank: int, world_size: int, lengths: list, mode: str) -> dict:
     result = _run(shared_index_msa_attention, mine, lengths, mode, weights[:, own],
                   share_group=group)
     for name in ("kl", "grad_q_idx", "grad_k_idx"):  # partial on each rank: summed by the layer
-        dist.all_reduce(result[name])
+        partial = result[name].to(selected_device())  # NCCL reduces device tensors only
+        dist.all_reduce(partial)
+        result[name] = partial.cpu()
     return {"reference": reference, "result": result, "heads": heads}
 
 

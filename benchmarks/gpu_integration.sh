@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
-# Integration run on a 2-GPU H200 machine (device tool, kind nvidia-h200-x2), one call:
-#   1. tests/megatron on CUDA + NCCL with megatron-core 0.19.2 (carried as a wheel in .whl/);
-#   2. context-parallel parity check, then CP=1 / CP=2 step times and bytes (benchmarks/bench_cp.py);
-#   3. the tiny pretraining example on GPUs (TP=2) for a few steps;
-#   4. the Megatron-LM entry point (megatron.training) for a few iterations on mock data.
-# Usage: bash benchmarks/gpu_integration.sh [steps...]  (default: all); logs and JSON go to $OUT.
+# GPU integration run of the Megatron-LM path on a fresh 2-GPU machine, one call, < 9 minutes:
+#   a. tests/megatron on CUDA + NCCL (triton backend), in the background from the start;
+#   b. data: the standard library's .py files -> Megatron indexed dataset, byte-level tokenizer;
+#   c. train: examples/megatron_lm/train_single_node.sh, TP=2, stops after N iterations (saved);
+#   d. resume: the same command again, continues at N+1 up to N+M (across the dense -> sparse
+#      switch: the resumed run must start in the mode of iteration N+1);
+#   e. convert: dense GPT (--dense-gpt) trained a few iterations, convert_dense_to_msa.py, then MSA
+#      continued training from the converted checkpoint (--finetune);
+#   f. recipe: the paper's head layout (64 query heads, 4 KV heads, head dim 128) at 64K tokens
+#      with CP=2 on 2 GPUs, layers scaled down; tokens/s and peak memory per GPU (after a, alone).
+# Every step prints PASS/FAIL; the last line is the summary. Logs go to $OUT (default /tmp/out).
+# megatron-core comes from .whl/*.whl (installed into /tmp/site) when present.
+# Usage: bash benchmarks/gpu_integration.sh [steps...]   (default: tests data train resume convert recipe)
 set -u
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
+RUN=${RUN:-/tmp/msa_integration}    # checkpoints and data (absolute)
+mkdir -p "$OUT" "$RUN"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || exit 1
@@ -17,29 +25,120 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 else
     export PYTHONPATH=$PWD
 fi
-python3 -c "import torch, triton, megatron.core as mc; print('torch', torch.__version__, 'triton', triton.__version__, 'megatron-core', mc.__version__, 'gpus', torch.cuda.device_count())"
-steps=${*:-megatron cp tiny megatron_lm}
+python3 -c "import sys, torch, triton, megatron.core as mc; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'megatron-core', mc.__version__, 'gpus', torch.cuda.device_count(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')" | tee "$OUT/versions.txt"
+steps=${*:-tests data train resume convert recipe}
+KIT=examples/megatron_lm
+DATA=$RUN/data/stdlib_bytes
+T0=$(date +%s)
+declare -A RESULT
 
-for step in $steps; do
-    echo "=== $step ($(date +%T))"
-    case $step in
-    megatron)
-        MSA_TEST_DEVICE=cuda MSA_TEST_BACKEND=triton timeout 120 python3 -m pytest -q -x -rs tests/megatron/test_megatron_tp.py tests/megatron/test_megatron_cp.py tests/megatron/test_megatron_tp_share.py tests/megatron/test_megatron_recompute.py tests/megatron/test_megatron_spec.py tests/megatron/test_megatron_modes.py 2>&1 | tee "$OUT/megatron_gpu.log" | tail -25
-        ;;
-    cp)
-        timeout 190 torchrun --nproc-per-node 2 benchmarks/bench_cp.py "$OUT/cp_h200x2.json" \
-            --seqlens 65536 131072 262144 --dists iid --iters 3 2>&1 | tee "$OUT/cp.log" | tail -30
-        ;;
-    tiny)
-        timeout 80 torchrun --nproc-per-node 2 examples/pretrain_tiny.py --device cuda --tp 2 \
-            --steps 30 --warmup-steps 10 --no-baseline --out-dir "$OUT/tiny" 2>&1 | tee "$OUT/tiny.log" | tail -12
-        ;;
-    megatron_lm)
-        TP=2 CP=1 SEQ_LEN=4096 NUM_LAYERS=2 HIDDEN=1024 FFN_HIDDEN=2816 HEADS=8 QUERY_GROUPS=2 \
-        GLOBAL_BATCH=2 TRAIN_ITERS=6 MSA_WARMUP_STEPS=3 TRANSFORMER_IMPL=local OUT_DIR=/tmp/mlm \
-        GPUS_PER_NODE=2 timeout 90 bash examples/megatron_lm/train_single_node.sh \
-            --log-interval 1 --save-interval 100000 --eval-interval 100000 \
-            2>&1 | tee "$OUT/megatron_lm.log" | tail -25
-        ;;
-    esac
+has() { [[ " $steps " == *" $1 "* ]]; }
+mark() {  # mark STEP STATUS
+    RESULT[$1]=$2
+    echo "=== $1: $2 ($(( $(date +%s) - T0 )) s since start)"
+}
+# Small MSA GPT on 2 GPUs (TP=2) for steps c-e: the shapes compile fast and run in seconds.
+small() {
+    env TP=2 CP=1 SEQ_LEN=4096 NUM_LAYERS=2 HIDDEN=512 FFN_HIDDEN=1408 HEADS=8 QUERY_GROUPS=2 \
+        MICRO_BATCH=1 GLOBAL_BATCH=4 MSA_BLOCK_SIZE=128 MSA_TOP_K=8 MSA_INDEX_HEAD_DIM=64 \
+        DATA_PATH="$DATA" LOG_INTERVAL=1 EVAL_ITERS=1 EVAL_INTERVAL=1000 SAVE_INTERVAL=1000 \
+        GPUS_PER_NODE=2 ${SMALL_ENV:-} "$@"   # SMALL_ENV: overrides for a CPU dry run
+}
+# loss ITER LOG: the "lm loss" Megatron logged at iteration ITER
+loss() { grep -E "iteration +$1/" "$2" | head -n 1 | sed -E 's/.*lm loss: ([0-9.E+-]+).*/\1/'; }
+
+# a. tests/megatron on CUDA (background; every test process compiles its triton kernels)
+if has tests; then
+    echo "=== tests: tests/megatron, MSA_TEST_DEVICE=cuda, triton backend (background)"
+    ( MSA_TEST_DEVICE=cuda MSA_TEST_BACKEND=triton timeout 330 python3 -m pytest -q -rs \
+        -p no:cacheprovider tests/megatron > "$OUT/tests_megatron_cuda.log" 2>&1
+      echo $? > "$RUN/tests.rc" ) &
+    TESTS_PID=$!
+fi
+
+# b. data
+if has data; then
+    timeout 60 python3 $KIT/prepare_data.py --output-prefix "$DATA" 2>&1 | tee "$OUT/data.log" | tail -2
+    if [ "${PIPESTATUS[0]}" = 0 ] && [ -s "$DATA.bin" ] && [ -s "$DATA.idx" ]; then mark data PASS; else mark data FAIL; fi
+fi
+
+# c. train N=3 of 6 iterations (dense for 2, then sparse), saved at 3 and stopped
+N=3; TOTAL=6; WARMUP=2
+if has train; then
+    rm -rf "$RUN/ckpt"
+    small TRAIN_ITERS=$TOTAL MSA_WARMUP_STEPS=$WARMUP CKPT_DIR="$RUN/ckpt" \
+        timeout 150 bash $KIT/train_single_node.sh --exit-interval $N > "$OUT/train.log" 2>&1
+    rc=$?
+    grep -E "turned off|MSA attention mode|iteration +[0-9]+/|saving checkpoint|peak GPU" "$OUT/train.log" | cut -c1-400
+    if [ "$(cat "$RUN/ckpt/latest_checkpointed_iteration.txt" 2>/dev/null)" = "$N" ] \
+        && grep -q "MSA attention mode: sparse (iteration $((WARMUP + 1)))" "$OUT/train.log" \
+        && grep -q "msa kl layer_02" "$OUT/train.log"; then mark train PASS; else mark train "FAIL(rc=$rc)"; fi
+fi
+
+# d. resume: the same command continues at N+1 (sparse, since N >= WARMUP) and ends at TOTAL
+if has resume; then
+    small TRAIN_ITERS=$TOTAL MSA_WARMUP_STEPS=$WARMUP CKPT_DIR="$RUN/ckpt" \
+        timeout 120 bash $KIT/train_single_node.sh > "$OUT/resume.log" 2>&1
+    rc=$?
+    grep -E "loaded checkpoint|MSA attention mode|iteration +[0-9]+/|peak GPU" "$OUT/resume.log" | cut -c1-400
+    first=$(grep -oE "iteration +[0-9]+/ +$TOTAL" "$OUT/resume.log" | head -n 1 | awk '{print $2}' | cut -d/ -f1)
+    l_stop=$(loss $N "$OUT/train.log"); l_first=$(loss 1 "$OUT/train.log"); l_resume=$(loss $((N + 1)) "$OUT/resume.log")
+    echo "loss: iteration 1 $l_first, iteration $N $l_stop, resumed iteration $((N + 1)) $l_resume"
+    # continuing, not restarting: the first resumed loss is closer to iteration N's than to iteration 1's
+    cont=$(python3 -c "a,b,c=map(float,'$l_first $l_stop $l_resume'.split()); print(int(abs(c-b) < abs(c-a)))" 2>/dev/null)
+    if [ $rc = 0 ] && [ "$first" = $((N + 1)) ] && [ "$cont" = 1 ] \
+        && grep -q "MSA attention mode: sparse (iteration $((N + 1)))" "$OUT/resume.log" \
+        && [ "$(cat "$RUN/ckpt/latest_checkpointed_iteration.txt")" = "$TOTAL" ]; then
+        mark resume PASS; else mark resume "FAIL(rc=$rc)"; fi
+fi
+
+# e. dense GPT -> convert -> MSA continued (dense warmup of the index branch for 1 iteration)
+if has convert; then
+    rm -rf "$RUN/dense" "$RUN/msa_init" "$RUN/msa_cont"
+    small TRAIN_ITERS=4 CKPT_DIR="$RUN/dense" \
+        timeout 90 bash $KIT/train_single_node.sh --dense-gpt > "$OUT/convert_dense.log" 2>&1
+    rc1=$?
+    small CKPT_DIR="$RUN/msa_init" ENTRY=convert_dense_to_msa.py \
+        timeout 90 bash $KIT/train_single_node.sh --dense-load "$RUN/dense" > "$OUT/convert.log" 2>&1
+    rc2=$?
+    small TRAIN_ITERS=3 MSA_WARMUP_STEPS=1 CKPT_DIR="$RUN/msa_cont" LOAD_DIR="$RUN/msa_init" \
+        timeout 120 bash $KIT/train_single_node.sh --finetune > "$OUT/convert_msa.log" 2>&1
+    rc3=$?
+    grep -E "iteration +[0-9]+/" "$OUT/convert_dense.log" | cut -c1-200
+    grep -E "loaded dense|saved the MSA" "$OUT/convert.log"
+    grep -E "loaded checkpoint|MSA attention mode|iteration +[0-9]+/" "$OUT/convert_msa.log" | cut -c1-400
+    d_first=$(loss 1 "$OUT/convert_dense.log"); d_last=$(loss 4 "$OUT/convert_dense.log"); m_first=$(loss 1 "$OUT/convert_msa.log")
+    echo "loss: dense iteration 1 $d_first, dense iteration 4 $d_last, MSA iteration 1 $m_first"
+    near=$(python3 -c "a,b,c=map(float,'$d_first $d_last $m_first'.split()); print(int(abs(c-b) < abs(c-a)))" 2>/dev/null)
+    if [ $rc1 = 0 ] && [ $rc2 = 0 ] && [ $rc3 = 0 ] && [ "$near" = 1 ]; then mark convert PASS
+    else mark convert "FAIL(rc=$rc1/$rc2/$rc3)"; fi
+fi
+
+if [ -n "${TESTS_PID:-}" ]; then
+    wait "$TESTS_PID"
+    tail -n 15 "$OUT/tests_megatron_cuda.log"
+    if [ "$(cat "$RUN/tests.rc")" = 0 ]; then mark tests PASS; else mark tests "FAIL(rc=$(cat "$RUN/tests.rc"))"; fi
+fi
+
+# f. realistic recipe: 64 q heads / 4 KV heads / head dim 128 (hidden 8192), 64K tokens, CP=2
+if has recipe; then
+    SEQ=65536
+    env TP=1 CP=2 SEQ_LEN=$SEQ NUM_LAYERS=2 HIDDEN=8192 FFN_HIDDEN=22016 HEADS=64 QUERY_GROUPS=4 \
+        MICRO_BATCH=1 GLOBAL_BATCH=1 TRAIN_ITERS=4 MSA_WARMUP_STEPS=0 MSA_BLOCK_SIZE=128 \
+        MSA_TOP_K=16 MSA_INDEX_HEAD_DIM=128 LOG_INTERVAL=1 EVAL_ITERS=1 SAVE_INTERVAL=1000 \
+        CHECKPOINTS=0 OUT_DIR="$RUN/recipe" GPUS_PER_NODE=2 \
+        timeout 170 bash $KIT/train_single_node.sh > "$OUT/recipe.log" 2>&1
+    rc=$?
+    grep -E "turned off|iteration +[0-9]+/|peak GPU" "$OUT/recipe.log" | cut -c1-300
+    ms=$(grep -E "iteration +4/" "$OUT/recipe.log" | sed -E 's/.*elapsed time per iteration \(ms\): ([0-9.]+).*/\1/')
+    if [ $rc = 0 ] && [ -n "$ms" ]; then
+        python3 -c "print(f'recipe: 64/4 heads x 128, {$SEQ} tokens, CP=2, 2 layers: {$SEQ / ($ms / 1000):.0f} tokens/s ({$ms:.0f} ms/iteration)')"
+        mark recipe PASS
+    else mark recipe "FAIL(rc=$rc)"; fi
+fi
+
+line="SUMMARY"
+for s in tests data train resume convert recipe; do
+    has $s && line="$line $s=${RESULT[$s]:-NOT_RUN}"
 done
+echo "$line total=$(( $(date +%s) - T0 ))s" | tee "$OUT/summary.txt"

@@ -35,6 +35,7 @@ MSA_INDEX_KEY_HEADS=${MSA_INDEX_KEY_HEADS:-1}
 MSA_KL_COEFF=${MSA_KL_COEFF:-1.0}
 MSA_WARMUP_STEPS=${MSA_WARMUP_STEPS:-500}
 MSA_CP_KV_EXCHANGE=${MSA_CP_KV_EXCHANGE:-allgather}   # or "selective"
+MSA_BACKEND=${MSA_BACKEND:-}     # triton | torch | reference; empty: MSAConfig's default (triton on CUDA)
 
 # Data: DATA_PATH="1.0 /data/corpus_text_document" (Megatron indexed dataset, e.g. the byte-level
 # one prepare_data.py writes) with its tokenizer, or empty for --mock-data. The default tokenizer
@@ -51,6 +52,8 @@ SPLIT=${SPLIT:-98,2,0}           # train, validation, test shares of the documen
 # Checkpoints: saved to CKPT_DIR every SAVE_INTERVAL iterations and at the end, loaded from
 # LOAD_DIR (default: CKPT_DIR, so re-running the same command resumes). Paths are made absolute,
 # so every node of a multi-node job names the same (shared) directory.
+# CHECKPOINTS=0 turns saving and loading off (benchmarks).
+CHECKPOINTS=${CHECKPOINTS:-1}
 OUT_DIR=$(realpath -m "${OUT_DIR:-runs/msa_gpt}")
 CKPT_DIR=$(realpath -m "${CKPT_DIR:-$OUT_DIR/checkpoints}")
 LOAD_DIR=$(realpath -m "${LOAD_DIR:-$CKPT_DIR}")
@@ -94,9 +97,6 @@ MSA_GPT_ARGS=(
     --log-interval "$LOG_INTERVAL"
     --eval-interval "$EVAL_INTERVAL"
     --eval-iters "$EVAL_ITERS"
-    --save "$CKPT_DIR"
-    --load "$LOAD_DIR"
-    --save-interval "$SAVE_INTERVAL"
     --tensorboard-dir "$OUT_DIR/tensorboard"
     --msa-block-size "$MSA_BLOCK_SIZE"
     --msa-top-k "$MSA_TOP_K"
@@ -106,11 +106,17 @@ MSA_GPT_ARGS=(
     --msa-warmup-steps "$MSA_WARMUP_STEPS"
     --msa-cp-kv-exchange "$MSA_CP_KV_EXCHANGE"
 )
+if [ "$CHECKPOINTS" = 1 ]; then
+    MSA_GPT_ARGS+=(--save "$CKPT_DIR" --load "$LOAD_DIR" --save-interval "$SAVE_INTERVAL")
+fi
 if [ "$DIST_OPTIMIZER" = 1 ]; then
     MSA_GPT_ARGS+=(--use-distributed-optimizer)
 fi
 if [ -n "$PRECISION" ]; then
     MSA_GPT_ARGS+=("$PRECISION")
+fi
+if [ -n "$MSA_BACKEND" ]; then
+    MSA_GPT_ARGS+=(--msa-backend "$MSA_BACKEND")
 fi
 if [ -n "$TRANSFORMER_IMPL" ]; then
     MSA_GPT_ARGS+=(--transformer-impl "$TRANSFORMER_IMPL")

@@ -229,6 +229,10 @@ def main() -> None:
         ModelType.encoder_or_decoder,
         forward_step,
     )
+    if torch.cuda.is_available():
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        print(f"msa-megatron: rank {rank} peak GPU memory allocated {peak:.2f} GiB", flush=True)
 
 
 if __name__ == "__main__":

@@ -16,4 +16,4 @@ RDZV_ID=${RDZV_ID:-msa-gpt}
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 exec torchrun --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" \
     --rdzv-backend c10d --rdzv-endpoint "$RDZV_HOST:$RDZV_PORT" --rdzv-id "$RDZV_ID" \
-    "$HERE/pretrain_msa_gpt.py" "${MSA_GPT_ARGS[@]}" "$@"
+    "$HERE/${ENTRY:-pretrain_msa_gpt.py}" "${MSA_GPT_ARGS[@]}" "$@"

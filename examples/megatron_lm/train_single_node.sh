@@ -10,4 +10,4 @@ GPUS_PER_NODE=${GPUS_PER_NODE:-$(nvidia-smi --list-gpus | wc -l)}
 
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 exec torchrun --standalone --nproc-per-node "$GPUS_PER_NODE" \
-    "$HERE/pretrain_msa_gpt.py" "${MSA_GPT_ARGS[@]}" "$@"
+    "$HERE/${ENTRY:-pretrain_msa_gpt.py}" "${MSA_GPT_ARGS[@]}" "$@"

@@ -188,8 +188,8 @@ def fit_lr_schedule(args: argparse.Namespace) -> List[str]:
 
 def notice(kernels: Dict[str, bool], off: List[str]) -> str:
     """The one-line notice of what :func:`adapt_to_installed_kernels` turned off."""
-    absent = [name for name, label in (("transformer_engine", "Transformer Engine"),
-                                       ("apex", "Apex")) if not kernels.get(name)]
+    absent = [label for name, label in (("transformer_engine", "Transformer Engine"),
+                                        ("apex", "Apex")) if not kernels.get(name)]
     why = f" ({', '.join(absent)} not installed)" if absent else ""
     return f"msa-megatron: turned off{why}: {'; '.join(off)}"
 

@@ -58,12 +58,18 @@ def install_kl_loss_scale_hook(config: TransformerConfig, setter: Callable) -> b
 
     Returns:
         True when the hook is installed; False on versions without it (call
-        ``set_kl_loss_scale`` yourself, see :mod:`msa_megatron.megatron.loss`).
+        ``set_kl_loss_scale`` yourself, see :mod:`msa_megatron.megatron.loss`; inside
+        Megatron-LM's training loop the layers fall back to the schedule's scale,
+        :func:`msa_megatron.megatron.loss.use_schedule_default`).
 
     Raises:
         ValueError: the config already carries a different hook (another attention variant).
     """
     if not has_loss_scale_hook(config):
+        from .loss import use_schedule_default
+
+        if hasattr(config, "grad_scale_func"):
+            use_schedule_default(config)
         return False
     current = getattr(config, LOSS_SCALE_HOOK_FIELD)
     if current is not None and current is not setter:

@@ -15,7 +15,9 @@ times the fp16 loss scale, times the CP size when megatron scales the LM loss by
 - megatron-core 0.16: the schedule has no hook. Before every ``forward_backward_func`` call
   ``set_kl_loss_scale(schedule_loss_scale(config, num_microbatches, cp_size))``, the value
   0.16's schedule gives MoE auxiliary losses (``cp_size / num_microbatches`` times the mixed
-  precision grad scale); without the call the scale is 1.
+  precision grad scale). Without the call, layers built on 0.16 use that same value on their
+  own when megatron's global micro-batch calculator is set up (Megatron-LM's training loop,
+  e.g. ``--spec`` on a 0.16-era ``pretrain_gpt.py``: :func:`use_schedule_default`), else 1.
 
 Per-layer KL values are accumulated on the device without host synchronisation and read with
 :func:`get_msa_metrics`, which reduces them over every rank (TP/CP partial sums added, DP
@@ -47,6 +49,41 @@ CP_BYTES_BWD_PREFIX = "msa/cp_bytes_bwd"
 RECALL_PREFIX = "msa/recall"
 
 _loss_scale: Optional[torch.Tensor] = None
+_schedule_config = None  # 0.16: the config whose schedule scale applies when none was set
+
+
+def use_schedule_default(config) -> None:
+    """Megatron-core without the schedule's loss-scale hook (0.16): when no scale was set with
+    :func:`set_kl_loss_scale`, scale the KL like 0.16's schedule scales the LM loss,
+    ``schedule_loss_scale(config, get_num_microbatches(), cp_size)``, read at each backward from
+    megatron's global micro-batch calculator (set up by Megatron-LM's training loop; without it
+    the scale stays 1). Called by the MSA layers at construction on such versions.
+
+    Args:
+        config: the model's TransformerConfig (its ``grad_scale_func`` is read at backward).
+    """
+    global _schedule_config
+    _schedule_config = config
+
+
+def _schedule_default_scale() -> Optional[torch.Tensor]:
+    if _schedule_config is None:
+        return None
+    try:
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        num_microbatches = get_num_microbatches()
+    except Exception:  # noqa: BLE001 - no calculator: not inside Megatron-LM's training loop
+        return None
+    from megatron.core import parallel_state
+
+    cp_size = (parallel_state.get_context_parallel_world_size()
+               if parallel_state.model_parallel_is_initialized() else 1)
+    return schedule_loss_scale(_schedule_config, num_microbatches, cp_size)
+
+
+def _current_scale() -> Optional[torch.Tensor]:
+    return _loss_scale if _loss_scale is not None else _schedule_default_scale()
 
 
 def set_kl_loss_scale(scale: Union[float, torch.Tensor]) -> None:
@@ -81,8 +118,10 @@ def schedule_loss_scale(config, num_microbatches: int, cp_size: int = 1) -> torc
 
 
 def get_kl_loss_scale() -> float:
-    """The current KL loss scale (1.0 until :func:`set_kl_loss_scale` is called)."""
-    return 1.0 if _loss_scale is None else float(_loss_scale)
+    """The current KL loss scale: the last :func:`set_kl_loss_scale`, else the 0.16 schedule
+    default (:func:`use_schedule_default`), else 1.0."""
+    scale = _current_scale()
+    return 1.0 if scale is None else float(scale)
 
 
 class KLLossAutoScaler(torch.autograd.Function):
@@ -99,8 +138,9 @@ class KLLossAutoScaler(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         (kl,) = ctx.saved_tensors
         scale = torch.ones_like(kl) * ctx.kl_coeff
-        if _loss_scale is not None:
-            scale = scale * _loss_scale.to(device=kl.device, dtype=kl.dtype)
+        loss_scale = _current_scale()
+        if loss_scale is not None:
+            scale = scale * loss_scale.to(device=kl.device, dtype=kl.dtype)
         return grad_output, scale, None
 
 

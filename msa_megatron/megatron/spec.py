@@ -10,7 +10,9 @@ In Python::
 With Megatron-LM's ``pretrain_gpt.py``: ``--spec msa_megatron.megatron.spec gpt_layer_msa_spec``.
 :data:`gpt_layer_msa_spec` is a ``ModuleSpec`` (what 0.16's builder passes to ``GPTModel``) that
 is also callable with the ``TransformerConfig`` (builders that call the spec object get a spec
-matching ``config.qk_layernorm`` / ``config.transformer_impl``). Its MSA options come from the
+matching ``config.qk_layernorm`` / ``config.transformer_impl``); its layer class,
+:class:`ConfigMatchedMSALayer`, builds its submodules from its own config, so the flags are
+honoured either way (0.19.2's builder passes a ``ModuleSpec`` on uncalled). Its MSA options come from the
 environment variable ``MSA_CONFIG``: a JSON object of :class:`msa_megatron.MSAConfig` fields,
 e.g. ``MSA_CONFIG='{"top_k": 16, "block_size": 128, "kl_coeff": 1.0, "mode": "dense"}'``.
 """
@@ -20,11 +22,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from typing import Any, Optional
 
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from ..config import MSAConfig
 from . import compat
@@ -118,26 +122,59 @@ def msa_config_from_env() -> MSAConfig:
     return MSAConfig(**fields)
 
 
+def spec_for_config(config: TransformerConfig) -> ModuleSpec:
+    """The MSA GPT layer spec matching ``config``: its ``qk_layernorm``, ``normalization`` and
+    ``transformer_impl`` (``"local"``: megatron-core's layers; ``"transformer_engine"``,
+    megatron's default: Transformer Engine's, or megatron-core's with a warning when Transformer
+    Engine is not installed), MSA options from ``$MSA_CONFIG``.
+
+    Raises:
+        ValueError: a ``transformer_impl`` MSA has no layers for (e.g. ``inference_optimized``).
+    """
+    impl = getattr(config, "transformer_impl", None)
+    if impl not in (None, "local", "transformer_engine"):
+        raise ValueError(f"MSA layers support transformer_impl 'local' or 'transformer_engine', "
+                         f"got {impl!r}")
+    use_te = None if impl is None else impl == "transformer_engine"
+    if use_te and not compat.HAVE_TE:
+        warnings.warn("transformer_impl='transformer_engine' (Megatron's default) but Transformer "
+                      "Engine is not installed: the MSA layers use megatron-core's local layers "
+                      "(pass --transformer-impl local to say so)", stacklevel=2)
+        use_te = False
+    return get_gpt_layer_msa_spec(
+        msa_config_from_env(), use_te=use_te, qk_layernorm=bool(config.qk_layernorm),
+        normalization=getattr(config, "normalization", None),
+    )
+
+
+class ConfigMatchedMSALayer(TransformerLayer):
+    """megatron-core's ``TransformerLayer`` built from :func:`spec_for_config` of its own config
+    instead of the submodules it is handed: the layer class of the ``--spec`` object, so that
+    ``--qk-layernorm``, ``--normalization`` and ``--transformer-impl`` are honoured whichever way
+    the builder uses the spec (0.16 and 0.19 pass the ``ModuleSpec`` on unchanged)."""
+
+    def __init__(self, config: TransformerConfig, submodules: Any = None, *args: Any,
+                 **kwargs: Any) -> None:
+        super().__init__(config, spec_for_config(config).submodules, *args, **kwargs)
+
+
 class MSALayerSpec(ModuleSpec):
     """A GPT layer MSA spec that is also a spec factory: ``spec(config)`` returns the spec for
-    that ``TransformerConfig`` (its ``qk_layernorm``, ``normalization`` and
-    ``transformer_impl``), for builders that call the object named by ``--spec``."""
+    that ``TransformerConfig`` (:func:`spec_for_config`), for builders that call the object
+    named by ``--spec``. Its module, :class:`ConfigMatchedMSALayer`, matches the config itself
+    when the builder uses the object as it is."""
 
     def __call__(self, config: Optional[TransformerConfig] = None, *args: Any,
                  **kwargs: Any) -> ModuleSpec:
         if config is None:
             return self
-        # transformer_impl="local" forces megatron-core's layers; otherwise TE when it imports.
-        use_te = False if getattr(config, "transformer_impl", None) == "local" else None
-        return get_gpt_layer_msa_spec(
-            msa_config_from_env(), use_te=use_te, qk_layernorm=bool(config.qk_layernorm),
-            normalization=getattr(config, "normalization", None),
-        )
+        return spec_for_config(config)
 
 
 def _default_layer_spec() -> MSALayerSpec:
     spec = get_gpt_layer_msa_spec(msa_config_from_env())
-    return MSALayerSpec(module=spec.module, params=spec.params, submodules=spec.submodules)
+    return MSALayerSpec(module=ConfigMatchedMSALayer, params=spec.params,
+                        submodules=spec.submodules)
 
 
 gpt_layer_msa_spec = _default_layer_spec()

@@ -27,6 +27,7 @@ from msa_megatron.megatron import compat, spec as spec_module
 from msa_megatron.megatron.attention import build_head_layout
 from msa_megatron.megatron.checkpoint import msa_only_keys
 from msa_megatron.parallel.tensor import index_head_layout, token_slices
+from tests.dist_utils import run_distributed
 
 
 def _config(**overrides) -> TransformerConfig:
@@ -140,3 +141,70 @@ def test_schedule_loss_scale_for_0_16():
     assert float(schedule_loss_scale(config, num_microbatches=4)) == 256.0
     config.calculate_per_token_loss = True
     assert float(schedule_loss_scale(config, num_microbatches=4, cp_size=2)) == 1024.0
+
+
+def test_kl_scale_follows_the_0_16_schedule_inside_megatron_training(monkeypatch):
+    """0.16 (no hook): layers remember their config; when nobody set a scale and megatron's
+    micro-batch calculator exists (Megatron-LM's loop, e.g. the --spec route), the KL gets the
+    schedule's scale; without the calculator it stays 1."""
+    from megatron.core import num_microbatches_calculator as calculator
+
+    from msa_megatron.megatron import loss as loss_module
+
+    monkeypatch.setattr(loss_module, "_loss_scale", None)
+    monkeypatch.setattr(loss_module, "_schedule_config", None)
+    config = _config()
+    config.grad_scale_func = lambda x: x * 8.0
+    assert compat.install_kl_loss_scale_hook(SimpleNamespace(grad_scale_func=None),
+                                             set_kl_loss_scale) is False
+    assert compat.install_kl_loss_scale_hook(config, set_kl_loss_scale) is False \
+        or compat.has_loss_scale_hook(config)
+    loss_module.use_schedule_default(config)
+    monkeypatch.setattr(calculator, "_GLOBAL_NUM_MICROBATCHES_CALCULATOR", None)
+    assert get_kl_loss_scale() == 1.0  # no calculator: not inside megatron.training
+    calculator.init_num_microbatches_calculator(0, None, global_batch_size=4, micro_batch_size=1,
+                                                data_parallel_size=1)
+    try:
+        assert get_kl_loss_scale() == 2.0  # grad scale 8 / 4 micro-batches (CP 1)
+        kl = torch.tensor(0.5, requires_grad=True)
+        out = torch.ones(3, requires_grad=True)
+        loss_module.KLLossAutoScaler.apply(out, kl, 0.5).sum().backward()
+        assert float(kl.grad) == 0.5 * 2.0
+        set_kl_loss_scale(0.25)  # an explicit scale wins
+        assert get_kl_loss_scale() == 0.25
+    finally:
+        calculator.destroy_num_microbatches_calculator()
+
+
+def _spec_object_worker(rank: int, world_size: int) -> dict:
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.spec_utils import build_module
+
+    out = {}
+    for qk in (True, False):
+        layer = build_module(gpt_layer_msa_spec,
+                             config=_config(qk_layernorm=qk, transformer_impl="local"))
+        attention = layer.self_attention
+        out[qk] = {"msa": isinstance(attention, MSASelfAttention),
+                   "qk_norm": attention.q_layernorm is not None
+                   and not isinstance(attention.q_layernorm, IdentityOp),
+                   "top_k": attention.msa_config.top_k}
+    return out
+
+
+def test_spec_object_layer_matches_its_config(monkeypatch):
+    """The --spec object used as it is (0.19.2's GPT builder does not call a ModuleSpec): the
+    layer builds q/k norms for --qk-layernorm and local layers for --transformer-impl local, and
+    refuses an implementation MSA has no layers for."""
+    from msa_megatron.megatron.spec import ConfigMatchedMSALayer, spec_for_config
+
+    monkeypatch.setenv(spec_module.MSA_CONFIG_ENV, json.dumps({"top_k": 3, "block_size": 16}))
+    assert gpt_layer_msa_spec.module is ConfigMatchedMSALayer
+    built = run_distributed(_spec_object_worker, 1, tp=1)[0]
+    assert built == {True: {"msa": True, "qk_norm": True, "top_k": 3},
+                     False: {"msa": True, "qk_norm": False, "top_k": 3}}
+    with pytest.raises(ValueError, match="inference_optimized"):
+        spec_for_config(SimpleNamespace(transformer_impl="inference_optimized", qk_layernorm=False))
+    if not compat.HAVE_TE:
+        with pytest.warns(UserWarning, match="Transformer Engine is not installed"):
+            spec_for_config(_config(transformer_impl="transformer_engine"))

@@ -54,10 +54,11 @@ _current_mode: Optional[str] = None
 
 
 def package_is_patched(args: argparse.Namespace) -> bool:
-    """True when megatron.training carries ``patches/`` (its parser has ``--msa``): the patched
-    training loop then switches the warmup and logs the KL itself, so the entry point leaves
-    both to it (no double switching, no KL counted twice)."""
-    return hasattr(args, "msa")
+    """True when megatron.training carries ``patches/`` (its parser has ``--msa``, which
+    :func:`parse_msa_gpt_args` turns on unless ``--dense-gpt``): the patched training loop then
+    switches the warmup and logs the KL itself, so the entry point leaves both to it (no double
+    switching, no KL counted twice)."""
+    return bool(getattr(args, "msa", False))
 
 
 def get_batch(data_iterator, vp_stage: Optional[int] = None) -> Dict[str, Optional[torch.Tensor]]:
@@ -196,6 +197,8 @@ def parse_msa_gpt_args(extra_args_provider=add_msa_args) -> argparse.Namespace:
 
         load_args_from_checkpoint(args, load_arg="pretrained_checkpoint")
         load_args_from_checkpoint(args)
+    if hasattr(args, "msa"):  # patched megatron.training: its loop does the MSA warmup and logs
+        args.msa = not args.dense_gpt
     kernels = installed_kernels()
     changed = adapt_to_installed_kernels(args, sys.argv[1:], kernels) + fit_lr_schedule(args)
     if changed and args.rank == 0:

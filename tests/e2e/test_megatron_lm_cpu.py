@@ -94,7 +94,7 @@ def env(base_wheel, tmp_path_factory) -> dict:  # noqa: F811
     subprocess.run([sys.executable, str(KIT / "prepare_data.py"), "--output-prefix", str(data),
                     "--max-files", "40"], env=environ, check=True, capture_output=True)
     environ["DATA_PATH"] = str(data)
-    environ["ROOT"] = str(root)
+    environ["SITE"] = str(site)
     return environ
 
 
@@ -149,3 +149,23 @@ def test_dense_convert_and_continue_with_msa(env, tmp_path):
     dense_losses, msa_losses = _losses(dense), _losses(msa)
     # MSA starts from the trained dense weights (closer to the dense end than to its start)
     assert abs(msa_losses[1] - dense_losses[3]) < abs(msa_losses[1] - dense_losses[1])
+
+
+def test_entry_point_on_a_patched_package(env, tmp_path):
+    """patches/ applied to megatron.training plus the entry point: no duplicate --msa-* flags,
+    the patched loop switches the warmup and logs the KL (once)."""
+    if shutil.which("patch") is None:
+        pytest.skip("GNU patch is not installed")
+    patched = tmp_path / "site"
+    shutil.copytree(env["SITE"], patched)
+    for patch in sorted((REPO / "patches").glob("*.patch")):
+        subprocess.run(["patch", "-p1", "--batch", "--quiet", "-i", str(patch)], cwd=patched,
+                       check=True)
+    pythonpath = os.pathsep.join([str(patched), str(REPO)])
+    text = _train(env, tmp_path / "patched.log", TRAIN_ITERS="2", MSA_WARMUP_STEPS="1",
+                  CHECKPOINTS="0", OUT_DIR=str(tmp_path / "out"), PYTHONPATH=pythonpath)
+    assert re.search(r"^  msa \.+ True$", text, flags=re.MULTILINE)  # turned on by the entry point
+    losses = _losses(text)
+    assert sorted(losses) == [1, 2]
+    lines = [line for line in text.splitlines() if re.search(r"iteration +\d+/", line)]
+    assert all(line.count("msa kl:") == 1 for line in lines), lines

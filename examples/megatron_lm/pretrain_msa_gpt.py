@@ -22,8 +22,8 @@ Data: Megatron's indexed GPT datasets (``--data-path``, ``--split``, tokenizer f
 Megatron's load-balanced layout. Every tensor-parallel rank reads its own copy of the batch
 (the dataset is memory-mapped), so no TP broadcast is needed.
 
-Launch: see ``examples/megatron_lm/README`` section of ``examples/README.md``, or
-``train_single_node.sh`` / ``train_multi_node.sh`` / ``train_slurm.sbatch`` next to this file.
+Launch: ``train_single_node.sh`` / ``train_multi_node.sh`` / ``train_slurm.sbatch`` next to this
+file; documentation: the ``megatron_lm/`` section of ``examples/README.md``.
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ from megatron.training import get_args, get_tokenizer, pretrain, print_rank_0
 from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
-from msa_gpt_setup import (add_msa_args, adapt_to_installed_kernels, attended_block_fraction,
-                           fit_lr_schedule,
-                           installed_kernels, msa_config_from_args, msa_mode_at, notice)
+from msa_gpt_setup import (adapt_to_installed_kernels, add_msa_args, attended_block_fraction,
+                           fit_lr_schedule, installed_kernels, msa_config_from_args, msa_mode_at,
+                           notice)
 from msa_megatron.megatron import get_gpt_layer_msa_spec, get_msa_metrics, set_msa_mode
 
 KL_REPORT_KEY = "msa kl"

@@ -12,6 +12,7 @@
 # Every step prints PASS/FAIL; the last line is the summary. Logs go to $OUT (default /tmp/out).
 # megatron-core comes from .whl/*.whl (installed into /tmp/site) when present.
 # Usage: bash benchmarks/gpu_integration.sh [steps...]   (default: tests data train resume convert recipe)
+# Device tool: run(kind="nvidia-h200-x2", carry=[".whl"], command="bash benchmarks/gpu_integration.sh").
 set -u
 OUT=${OUT:-/tmp/out}
 RUN=${RUN:-/tmp/msa_integration}    # checkpoints and data (absolute)
@@ -50,7 +51,7 @@ loss() { grep -E "iteration +$1/" "$2" | head -n 1 | sed -E 's/.*lm loss: ([0-9.
 # a. tests/megatron on CUDA (background; every test process compiles its triton kernels)
 if has tests; then
     echo "=== tests: tests/megatron, MSA_TEST_DEVICE=cuda, triton backend (background)"
-    ( MSA_TEST_DEVICE=cuda MSA_TEST_BACKEND=triton timeout 330 python3 -m pytest -q -rs \
+    ( MSA_TEST_DEVICE=cuda MSA_TEST_BACKEND=triton timeout 330 python3 -m pytest -q -rs --durations=15 \
         -p no:cacheprovider tests/megatron > "$OUT/tests_megatron_cuda.log" 2>&1
       echo $? > "$RUN/tests.rc" ) &
     TESTS_PID=$!

@@ -16,14 +16,14 @@ What it does, in one run:
 
 1. Correctness: one packed THD batch (several documents, one of length zero, documents crossing
    the CP chunk boundaries) in fp32; every rank computes the single-device result
-   (``msa_attention_core``, CP=1) and the CP=2 result of :func:`context_parallel_msa_attention`
-   in both K/V exchange modes; compares outputs, KL (summed over ranks), selections and the
+   (:func:`msa_megatron.core.msa_layer`, CP=1) and its CP=2 result (a CP group) in both K/V
+   exchange modes; compares outputs, KL (summed over ranks), selections and the
    five gradients. The script stops (exit code 1) before timing when a check fails.
 2. Timing: one MSA core attention layer (select + sparse attention + KL value + all gradients,
-   "paper" config of ``BENCHMARK.md``: Hq 64, Hkv 4, Hi 4, Hik 1, D = Di = 128, B 128, k 16,
+   "paper" config of ``docs/BENCHMARK.md``: Hq 64, Hkv 4, Hi 4, Hik 1, D = Di = 128, B 128, k 16,
    bf16), one sequence of S tokens, fwd+bwd, median over ``--iters`` CUDA-event-timed steps
    after one warm-up; for CP=1 (each rank runs the whole sequence on its own GPU) and CP=2 in
-   both exchange modes; index inputs iid and coherent (as ``BENCHMARK.md``). For CP=2 the time
+   both exchange modes; index inputs iid and coherent (as ``docs/BENCHMARK.md``). For CP=2 the time
    of a step is the slowest rank's. Bytes moved per rank come from the layer's statistics.
 """
 
@@ -44,14 +44,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from msa_megatron.ops.api import msa_attention_core  # noqa: E402
+from msa_megatron.core import MSAOptions, msa_layer  # noqa: E402
+from msa_megatron.layout import query_layout  # noqa: E402
 from msa_megatron.ops.backends import get_backend, resolve_backend  # noqa: E402
-from msa_megatron.ops.layout import query_layout  # noqa: E402
-from msa_megatron.parallel.context import (  # noqa: E402
-    context_parallel_msa_attention,
-    cp_bytes_moved,
-)
+from msa_megatron.parallel.context import cp_bytes_moved  # noqa: E402
 from msa_megatron.parallel.cp_layout import split_for_cp_rank  # noqa: E402
+from msa_megatron.parallel.groups import ParallelGroups  # noqa: E402
 
 PAPER = dict(hq=64, hkv=4, hi=4, hik=1, d=128, di=128)
 OPTIONS = dict(block_size=128, top_k=16, init_blocks=0, local_blocks=1, softmax_scale=None,
@@ -114,18 +112,19 @@ def check_correctness(args, device, group) -> dict:
                                           block_size=OPTIONS["block_size"], top_k=OPTIONS["top_k"],
                                           init_blocks=OPTIONS["init_blocks"],
                                           local_blocks=OPTIONS["local_blocks"], index_scale=None)
-    out_ref, kl_ref = msa_attention_core(*(ref[n] for n in NAMES), q_pos, q_kbase, backend=backend,
-                                         mode="sparse", kl_scale=kl_scale, block_idx=ref_idx,
-                                         **OPTIONS)
+    res = msa_layer(*(ref[n] for n in NAMES), options=MSAOptions(backend=backend, **OPTIONS),
+                    cu_seqlens=cu, kl_scale=kl_scale, block_idx=ref_idx)
+    out_ref, kl_ref = res.out, res.kl
     ((out_ref * w_out).sum() + kl_ref).backward()
     rows = split_for_cp_rank(torch.arange(total, device=device), cu, cp, rank)
     report = {"tokens": total, "lengths": lengths}
     for exchange in EXCHANGES:
         local = _local(x, cu, cp, rank)
-        out, kl, block_idx, stats = context_parallel_msa_attention(
-            *(local[n] for n in NAMES), cu_seqlens_global=cu, cp_group=group,
-            kv_exchange=exchange, mode="sparse", backend=args.backend, kl_scale=kl_scale,
-            **OPTIONS)
+        res = msa_layer(
+            *(local[n] for n in NAMES), cu_seqlens=cu, groups=ParallelGroups(cp=group),
+            options=MSAOptions(kv_exchange=exchange, backend=args.backend, **OPTIONS),
+            kl_scale=kl_scale)
+        out, kl, block_idx, stats = res.out, res.kl, res.block_idx, res.stats
         ((out * w_out[rows]).sum() + kl).backward()
         kl_sum = kl.detach().clone()
         dist.all_reduce(kl_sum, group=group)
@@ -178,14 +177,13 @@ def bench(args, device, group, result: dict) -> None:
             cu = torch.tensor([0, seqlen], dtype=torch.int32, device=device)
             kl_scale = 1.0 / (seqlen * PAPER["hi"])
             full = {n: t.requires_grad_(True) for n, t in x.items()}
-            q_pos, q_kbase = query_layout(cu, seqlen, device)
 
             def step_cp1():
                 for t in full.values():
                     t.grad = None
-                out, kl = msa_attention_core(*(full[n] for n in NAMES), q_pos, q_kbase,
-                                             backend=backend, mode="sparse", kl_scale=kl_scale,
-                                             **OPTIONS)
+                res = msa_layer(*(full[n] for n in NAMES), cu_seqlens=cu, kl_scale=kl_scale,
+                                options=MSAOptions(backend=backend, **OPTIONS))
+                out, kl = res.out, res.kl
                 (out.float().sum() + kl).backward()
 
             times = _time_steps(step_cp1, args.iters, device, group)
@@ -203,10 +201,11 @@ def bench(args, device, group, result: dict) -> None:
                 def step_cp():
                     for t in local.values():
                         t.grad = None
-                    out, kl, _, stats = context_parallel_msa_attention(
-                        *(local[n] for n in NAMES), cu_seqlens_global=cu, cp_group=group,
-                        kv_exchange=exchange, mode="sparse", backend=backend, kl_scale=kl_scale,
-                        **OPTIONS)
+                    res = msa_layer(
+                        *(local[n] for n in NAMES), cu_seqlens=cu, groups=ParallelGroups(cp=group),
+                        options=MSAOptions(kv_exchange=exchange, backend=backend, **OPTIONS),
+                        kl_scale=kl_scale)
+                    out, kl, stats = res.out, res.kl, res.stats
                     (out.float().sum() + kl).backward()
                     last["stats"] = stats
 

@@ -1,4 +1,4 @@
-"""Correctness, then speed, of ``backend="triton"`` on one GPU (BENCHMARK.md), in one run.
+"""Correctness, then speed, of ``backend="triton"`` on one GPU (docs/BENCHMARK.md), one run.
 
 Usage (writes JSON to the path given; prints a short table last)::
 
@@ -48,7 +48,7 @@ from msa_megatron import reference as ref  # noqa: E402
 from msa_megatron.ops import torch_backend  # noqa: E402
 from msa_megatron.ops import triton as tri  # noqa: E402
 from msa_megatron.ops.api import msa_attention  # noqa: E402
-from msa_megatron.ops.layout import query_layout  # noqa: E402
+from msa_megatron.layout import query_layout  # noqa: E402
 
 HEADS = {
     "paper": dict(hq=64, hkv=4, hi=4, hik=1),

@@ -11,7 +11,7 @@ Two measurements on a small sample of query rows, cheap enough to run every few 
   query's own block (own, neighbour, sink = block 0, then powers of two).
 
 Both run on the general query layout (``q_pos``, ``q_kbase``) of
-:mod:`msa_megatron.ops.layout` and take plain tensors; the Megatron layer arms them through
+:mod:`msa_megatron.layout` and take plain tensors; the Megatron layer arms them through
 :mod:`msa_megatron.megatron.probe`.
 """
 
@@ -23,7 +23,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .ops.backends import get_backend, resolve_backend
-from .ops.layout import query_layout
+from .layout import query_layout
 
 # Bytes per chunk of the teacher computation (fp32 scores [rows, Hq, prefix] and gathered keys
 # [rows, prefix, Hkv, D]).

@@ -4,7 +4,7 @@ Dense ``[Tq, Tk]`` masks, any float dtype (float64 included), autograd for every
 O(T^2) memory: for tests and small shapes only (T = 2048 runs on a CPU in seconds).
 Scores are computed in float32 (float64 for float64 inputs), as the spec asks for ranking.
 
-The ``*_core`` functions take the general query layout of :mod:`msa_megatron.ops.layout`
+The ``*_core`` functions take the general query layout of :mod:`msa_megatron.layout`
 (``q_pos``, ``q_kbase``); :func:`select_blocks_reference` and :func:`msa_attention_reference`
 take ``cu_seqlens`` like the public API.
 """
@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .ops.layout import query_layout
+from .layout import query_layout
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -78,7 +78,7 @@ def select_core_reference(
     Args:
         q_idx: ``[Tq, Hi, Di]`` index queries.
         k_idx: ``[Tk, Hik, Di]`` index keys.
-        q_pos, q_kbase: ``[Tq]`` int32 query layout (see :mod:`msa_megatron.ops.layout`).
+        q_pos, q_kbase: ``[Tq]`` int32 query layout (see :mod:`msa_megatron.layout`).
 
     Returns:
         ``[Tq, Hi, top_k]`` int32 block numbers relative to the sequence start, ascending,

@@ -27,7 +27,7 @@ from typing import Dict, Optional, Sequence
 import pytest
 import torch
 
-from msa_megatron.ops.layout import query_layout
+from msa_megatron.layout import query_layout
 from msa_megatron.reference import block_scores_reference
 
 # Norm-wise relative tolerance of a backend against the oracle, by input dtype.

@@ -14,17 +14,18 @@ from .attention import (
     apply_msa_warmup,
     clear_selection_cache,
     index_branch_parameters,
-    reset_selection_counts,
-    selection_counts,
     set_msa_mode,
 )
 from .checkpoint import load_dense_checkpoint, msa_only_keys
-from .loss import get_kl_loss_scale, get_msa_metrics, schedule_loss_scale, set_kl_loss_scale
+from .index import MSAIndexBranch
+from .loss import get_kl_loss_scale, schedule_loss_scale, set_kl_loss_scale
+from .metrics import get_msa_metrics
 from .probe import SelectionProbe, arm_selection_probe
 from .spec import MSALayerSpec, get_gpt_layer_msa_spec, gpt_layer_msa_spec
 
 __all__ = [
     "MSACoreAttention",
+    "MSAIndexBranch",
     "MSALayerSpec",
     "MSASelfAttention",
     "MSASelfAttentionSubmodules",
@@ -39,9 +40,7 @@ __all__ = [
     "index_branch_parameters",
     "load_dense_checkpoint",
     "msa_only_keys",
-    "reset_selection_counts",
     "schedule_loss_scale",
-    "selection_counts",
     "set_kl_loss_scale",
     "set_msa_mode",
 ]

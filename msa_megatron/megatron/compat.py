@@ -9,7 +9,9 @@ What differs and how it is handled:
   :class:`~msa_megatron.megatron.attention.MSASelfAttention` passes unknown keyword arguments
   through unchanged, so both signatures work.
 - ``Attention._checkpointed_attention_forward`` gained ``core_attention_extra_kwargs`` in 0.19:
-  the MSA layer overrides the method with one signature that accepts both.
+  the MSA layer does not use it; its own ``forward`` calls the core attention (checkpointed or
+  not) with the index q/k as explicit arguments, with megatron-core's ``apply_rotary_pos_emb``
+  for the main and index q/k.
 - Megatron-LM's ``--spec <module> <name>``: on 0.16 the named object must be a ``ModuleSpec``;
   0.19 builders may call it with the ``TransformerConfig``.
   :class:`~msa_megatron.megatron.spec.MSALayerSpec` is both.
@@ -18,7 +20,7 @@ What differs and how it is handled:
 
 Not a difference but a CPU limit of both versions: megatron-core's TP > num_query_groups path
 gathers with a CUDA-only helper, so the MSA layer gathers with
-:func:`msa_megatron.parallel.tensor.gather_last_dim`.
+:func:`msa_megatron.parallel.comm.gather_last_dim`.
 """
 
 from __future__ import annotations

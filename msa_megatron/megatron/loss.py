@@ -1,4 +1,5 @@
-"""The index-branch KL loss inside megatron-core training: gradient plumbing and metrics.
+"""The index-branch KL loss inside megatron-core training: gradient plumbing (the metrics are in
+:mod:`.metrics`).
 
 MSA_SPEC section 4: ``L = L_lm + kl_coeff * sum_layers L_kl``. Megatron's loss function only sees
 the LM loss, so each MSA layer attaches its KL to its attention output with an identity autograd
@@ -18,35 +19,13 @@ times the fp16 loss scale, times the CP size when megatron scales the LM loss by
   precision grad scale). Without the call, layers built on 0.16 use that same value on their
   own when megatron's global micro-batch calculator is set up (Megatron-LM's training loop,
   e.g. ``--spec`` on a 0.16-era ``pretrain_gpt.py``: :func:`use_schedule_default`), else 1.
-
-Per-layer KL values are accumulated on the device without host synchronisation and read with
-:func:`get_msa_metrics`, which reduces them over every rank (TP/CP partial sums added, DP
-replicas and micro-batches averaged, pipeline stages gathered).
-
-Under context parallelism each layer also adds the bytes its CP exchanges moved (MSA_SPEC
-section 6) to a per-layer accumulator (:func:`cp_stats_accumulator`, handed to
-:func:`msa_megatron.parallel.context.context_parallel_msa_attention`, whose backward adds its
-entries when it runs). :func:`get_msa_metrics` reports them, read after backward, as bytes
-received per rank and micro-batch: the mean over every rank that runs the layer (CP, TP and DP
-ranks) and over the micro-batches since the last reset. Per rank, because that is what loads
-one device's links (the sum over the CP group is this value times CP). Recomputation traffic
-(activation checkpointing runs the exchange again in backward) is included: it is moved.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Union
+from typing import Optional, Union
 
 import torch
-import torch.distributed as dist
-
-from ..parallel.context import cp_bytes_received, new_cp_stats
-
-METRIC_PREFIX = "msa/kl"
-CP_BYTES_PREFIX = "msa/cp_bytes"
-CP_BYTES_FWD_PREFIX = "msa/cp_bytes_fwd"
-CP_BYTES_BWD_PREFIX = "msa/cp_bytes_bwd"
-RECALL_PREFIX = "msa/recall"
 
 _loss_scale: Optional[torch.Tensor] = None
 _schedule_config = None  # 0.16: the config whose schedule scale applies when none was set
@@ -158,172 +137,3 @@ def attach_kl_loss(output: torch.Tensor, kl: torch.Tensor, kl_coeff: float) -> t
     if not (torch.is_grad_enabled() and kl.requires_grad):
         return output
     return KLLossAutoScaler.apply(output, kl, kl_coeff)
-
-
-class _MetricTracker:
-    """Per-layer sums of KL shares (on their device) and of their weights (host floats)."""
-
-    def __init__(self) -> None:
-        self.values: Dict[int, torch.Tensor] = {}
-        self.weights: Dict[int, float] = {}
-
-    def record(self, layer_number: int, kl: torch.Tensor, weight: float) -> None:
-        value = kl.detach().float()
-        if layer_number in self.values:
-            self.values[layer_number] = self.values[layer_number] + value
-        else:
-            self.values[layer_number] = value
-        self.weights[layer_number] = self.weights.get(layer_number, 0.0) + weight
-
-    def reset(self) -> None:
-        self.values.clear()
-        self.weights.clear()
-
-
-_TRACKER = _MetricTracker()
-
-
-class _CPBytesTracker:
-    """Per-layer CP counters (:data:`msa_megatron.parallel.context.STAT_KEYS` dicts, added to
-    in place by forwards and backwards) and the micro-batches they cover."""
-
-    def __init__(self) -> None:
-        self.stats: Dict[int, Dict[str, int]] = {}
-        self.micro_batches: Dict[int, int] = {}
-
-    def accumulator(self, layer_number: int) -> Dict[str, int]:
-        if layer_number not in self.stats:
-            self.stats[layer_number] = new_cp_stats()
-        return self.stats[layer_number]
-
-    def reset(self) -> None:
-        # Zeroed in place: a backward still to run adds to the dict it was given.
-        for stats in self.stats.values():
-            for key in stats:
-                stats[key] = 0
-        self.micro_batches.clear()
-
-
-_CP_BYTES = _CPBytesTracker()
-
-
-def cp_stats_accumulator(layer_number: int, new_micro_batch: bool) -> Dict[str, int]:
-    """The CP counters of a layer since the last :func:`get_msa_metrics` reset.
-
-    Args:
-        layer_number: the layer's global 1-based number.
-        new_micro_batch: True for the first CP call of a micro-batch (False for its
-            recomputation), so the bytes are averaged per micro-batch.
-
-    Returns:
-        The layer's :data:`~msa_megatron.parallel.context.STAT_KEYS` dict, to pass as
-        ``stats=`` to ``context_parallel_msa_attention``.
-    """
-    if new_micro_batch:
-        _CP_BYTES.micro_batches[layer_number] = _CP_BYTES.micro_batches.get(layer_number, 0) + 1
-    return _CP_BYTES.accumulator(layer_number)
-
-
-def record_kl(layer_number: int, kl: torch.Tensor, parts: int) -> None:
-    """Record one micro-batch's KL share of a layer.
-
-    Args:
-        layer_number: the layer's global 1-based number.
-        kl: this rank's 0-dim KL share (the layer's KL is the sum of the ``parts`` shares).
-        parts: number of ranks whose shares add up to the layer's KL (TP size x CP size).
-    """
-    # Each share is weighted 1/parts in the count, so after summing over all ranks the count is
-    # (micro-batches x DP replicas) while the values hold the full KL of each of them.
-    _TRACKER.record(layer_number, kl, 1.0 / parts)
-
-
-def _metrics_device() -> torch.device:
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def get_msa_metrics(reset: bool = True,
-                    group: Optional[dist.ProcessGroup] = None) -> Dict[str, float]:
-    """Mean KL per MSA layer since the last reset, and the CP bytes moved, reduced over all ranks.
-
-    A collective over ``group`` (default: the whole world) when torch.distributed is
-    initialised: every rank must call it. TP and CP shares of a layer's KL are added, DP
-    replicas and micro-batches averaged, pipeline stages combined. Call it after the backward
-    of the step (the backward bytes are counted when it runs).
-
-    Args:
-        reset: clear the accumulated values afterwards.
-        group: the process group to reduce over.
-
-    Returns:
-        ``{"msa/kl/layer_01": ..., ..., "msa/kl": mean over layers}`` (floats, KL in nats per
-        token and index head, before ``kl_coeff``); with context parallelism also
-        ``"msa/cp_bytes/layer_NN"`` (bytes received per rank and micro-batch by that layer's
-        CP exchanges, forward + backward), its parts ``"msa/cp_bytes_fwd/layer_NN"`` (index
-        keys, K/V and selective mode's block ids) and ``"msa/cp_bytes_bwd/layer_NN"`` (their
-        gradients), and ``"msa/cp_bytes"``: the sum over layers; when a selection probe was
-        armed (:func:`msa_megatron.megatron.arm_selection_probe`), ``"msa/recall/layer_NN"``
-        (share of the dense teacher's attention mass inside the selected blocks, mean over the
-        sampled rows, index heads and ranks) and ``"msa/recall"``, their mean over layers.
-        Empty when no MSA layer ran.
-    """
-    from .probe import _RECALL
-
-    local_max = max(max(_TRACKER.values, default=0), max(_CP_BYTES.micro_batches, default=0),
-                    max(_RECALL.sums, default=0))
-    device = _metrics_device()
-    distributed = dist.is_initialized()
-    num_layers = torch.tensor([local_max], dtype=torch.int64, device=device)
-    if distributed:
-        dist.all_reduce(num_layers, op=dist.ReduceOp.MAX, group=group)
-    count = int(num_layers.item())
-    values = torch.zeros(7, count, dtype=torch.float64, device=device)
-    for layer, value in _TRACKER.values.items():
-        values[0, layer - 1] = value.to(device=device, dtype=torch.float64)
-        values[1, layer - 1] = _TRACKER.weights[layer]
-    host_bytes = torch.zeros(3, count, dtype=torch.float64)
-    for layer, micro_batches in _CP_BYTES.micro_batches.items():
-        host_bytes[0:2, layer - 1] = torch.tensor(cp_bytes_received(_CP_BYTES.stats[layer]),
-                                                  dtype=torch.float64)
-        host_bytes[2, layer - 1] = micro_batches
-    values[2:5] = host_bytes.to(device)
-    for layer, total in _RECALL.sums.items():
-        values[5, layer - 1] = torch.as_tensor(total, dtype=torch.float64).to(device)
-        values[6, layer - 1] = _RECALL.counts[layer]
-    if distributed:
-        dist.all_reduce(values, group=group)
-    if reset:
-        _TRACKER.reset()
-        _CP_BYTES.reset()
-        _RECALL.reset()
-    metrics: Dict[str, float] = {}
-    per_layer = []
-    for layer in range(count):
-        weight = float(values[1, layer])
-        if weight > 0:
-            mean = float(values[0, layer]) / weight
-            metrics[f"{METRIC_PREFIX}/layer_{layer + 1:02d}"] = mean
-            per_layer.append(mean)
-    if per_layer:
-        metrics[METRIC_PREFIX] = sum(per_layer) / len(per_layer)
-    total_bytes = None
-    for layer in range(count):
-        micro_batches = float(values[4, layer])
-        if micro_batches > 0:
-            fwd, bwd = (float(values[row, layer]) / micro_batches for row in (2, 3))
-            metrics[f"{CP_BYTES_PREFIX}/layer_{layer + 1:02d}"] = fwd + bwd
-            metrics[f"{CP_BYTES_FWD_PREFIX}/layer_{layer + 1:02d}"] = fwd
-            metrics[f"{CP_BYTES_BWD_PREFIX}/layer_{layer + 1:02d}"] = bwd
-            total_bytes = (total_bytes or 0.0) + fwd + bwd
-    if total_bytes is not None:
-        metrics[CP_BYTES_PREFIX] = total_bytes
-    recalls = []
-    for layer in range(count):
-        if float(values[6, layer]) > 0:
-            recall = float(values[5, layer]) / float(values[6, layer])
-            metrics[f"{RECALL_PREFIX}/layer_{layer + 1:02d}"] = recall
-            recalls.append(recall)
-    if recalls:
-        metrics[RECALL_PREFIX] = sum(recalls) / len(recalls)
-    return metrics

@@ -1,4 +1,5 @@
-"""Public op entry points: validation, backend dispatch, composition of the three cores."""
+"""Public op entry points: keyword options -> :class:`msa_megatron.core.MSAOptions`, then the
+composer (:mod:`msa_megatron.core`), which validates, dispatches and composes the three cores."""
 
 from __future__ import annotations
 
@@ -7,16 +8,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import torch_backend  # noqa: F401  imported here so torch.compile never has to import it
-from .backends import get_backend, resolve_backend
-from .layout import query_layout
-from .validation import (
-    check_backend_limits,
-    check_cu_seqlens,
-    check_index_inputs,
-    check_main_inputs,
-    check_options,
-    check_scale,
-)
+from .. import core
 
 
 def select_blocks(
@@ -50,17 +42,9 @@ def select_blocks(
     Raises:
         TypeError / ValueError: bad dtypes, shapes, options or ``cu_seqlens`` (MSA_SPEC section 7).
     """
-    check_options(block_size, top_k, init_blocks, local_blocks, backend)
-    check_scale("index_scale", index_scale)
-    T, Hi, Hik, Di = check_index_inputs(q_idx, k_idx)
-    check_cu_seqlens(cu_seqlens, T, q_idx.device)
-    name = resolve_backend(backend, q_idx.device)
-    check_backend_limits(name, q_idx.dtype, {"Di": Di}, block_size, q_idx.device)
-    q_pos, q_kbase = query_layout(cu_seqlens, T, q_idx.device)
-    return get_backend(name).select(
-        q_idx, k_idx, q_pos, q_kbase, block_size=block_size, top_k=top_k,
-        init_blocks=init_blocks, local_blocks=local_blocks, index_scale=index_scale,
-    )
+    options = core.MSAOptions(block_size=block_size, top_k=top_k, init_blocks=init_blocks,
+                              local_blocks=local_blocks, index_scale=index_scale, backend=backend)
+    return core.select_blocks(q_idx, k_idx, options=options, cu_seqlens=cu_seqlens)
 
 
 def msa_attention(
@@ -103,47 +87,18 @@ def msa_attention(
     Raises:
         TypeError / ValueError: bad dtypes, shapes, options or ``cu_seqlens`` (MSA_SPEC section 7).
     """
-    check_options(block_size, top_k, init_blocks, local_blocks, backend, mode)
-    check_scale("softmax_scale", softmax_scale)
-    check_scale("index_scale", index_scale)
-    T, Hq, Hkv, D, Hi, Hik, Di = check_main_inputs(q, k, v, q_idx, k_idx)
-    check_cu_seqlens(cu_seqlens, T, q.device)
-    name = resolve_backend(backend, q.device)
-    check_backend_limits(name, q.dtype, {"D": D, "Di": Di}, block_size, q.device)
-    q_pos, q_kbase = query_layout(cu_seqlens, T, q.device)
-    return msa_attention_core(
-        q, k, v, q_idx, k_idx, q_pos, q_kbase, backend=name, block_size=block_size,
-        top_k=top_k, init_blocks=init_blocks, local_blocks=local_blocks,
-        softmax_scale=softmax_scale, index_scale=index_scale, mode=mode,
-        kl_scale=1.0 / (max(T, 1) * Hi),
-    )
+    options = core.MSAOptions(block_size=block_size, top_k=top_k, init_blocks=init_blocks,
+                              local_blocks=local_blocks, softmax_scale=softmax_scale,
+                              index_scale=index_scale, mode=mode, backend=backend)
+    result = core.msa_layer(q, k, v, q_idx, k_idx, options=options, cu_seqlens=cu_seqlens,
+                            kl_scale=_kl_scale(q_idx))
+    return result.out, result.kl
 
 
-def msa_attention_core(
-    q, k, v, q_idx, k_idx, q_pos, q_kbase, *, backend: str, block_size: int, top_k: int,
-    init_blocks: int, local_blocks: int, softmax_scale: Optional[float],
-    index_scale: Optional[float], mode: str, kl_scale: float,
-    block_idx: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Validated-input composition used by the public op and the parallel layers.
-
-    Same as :func:`msa_attention` but in the general query layout (``q_pos``, ``q_kbase``),
-    with the KL normaliser given (``kl_scale = 1 / (N * Hi_total)``) and an optional
-    precomputed ``block_idx`` (reused, never recomputed). No validation: callers validate.
-    """
-    impl = get_backend(backend)
-    if mode == "sparse":
-        if block_idx is None:
-            block_idx = impl.select(
-                q_idx.detach(), k_idx.detach(), q_pos, q_kbase, block_size=block_size,
-                top_k=top_k, init_blocks=init_blocks, local_blocks=local_blocks,
-                index_scale=index_scale,
-            )
-    else:
-        block_idx = None
-    out, lse = impl.attention(q, k, v, block_idx, q_pos, q_kbase, block_size=block_size,
-                              softmax_scale=softmax_scale, index_heads=q_idx.shape[1])
-    kl = impl.kl(q.detach(), k.detach(), lse.detach(), q_idx, k_idx, block_idx, q_pos, q_kbase,
-                 block_size=block_size, softmax_scale=softmax_scale, index_scale=index_scale,
-                 kl_scale=kl_scale)
-    return out, kl
+def _kl_scale(q_idx: torch.Tensor) -> float:
+    """``1 / (T * Hi)`` (1 for an empty batch); shapes are read before validation, so a bad
+    ``q_idx`` is reported by the composer's checks."""
+    shape = getattr(q_idx, "shape", ())
+    if len(shape) != 3:
+        return 1.0
+    return 1.0 / (max(int(shape[0]), 1) * max(int(shape[1]), 1))

@@ -13,7 +13,7 @@ index_scale) -> block_idx [Tq, Hi, top_k] int32`` (not differentiable);
 index_scale, kl_scale) -> 0-dim float32`` equal to ``kl_scale * sum_{i,p} KL[i,p]``,
 differentiable in q_idx and k_idx only (q, k, lse are read as constants).
 
-``q_pos`` / ``q_kbase`` are the query layout of :mod:`msa_megatron.ops.layout`; k, v and k_idx
+``q_pos`` / ``q_kbase`` are the query layout of :mod:`msa_megatron.layout`; k, v and k_idx
 may hold more rows than there are queries (context parallelism).
 """
 

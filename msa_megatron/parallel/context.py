@@ -1,14 +1,16 @@
-"""Context parallelism (CP) for the MSA core attention (MSA_SPEC section 6).
+"""Context parallelism (CP) exchanges of the MSA layer (MSA_SPEC section 6): tensors move, no
+kernel runs here.
 
-Transformer Engine is not required: the MSA core does its own CP with the process group it is
-given. Data flow on every CP rank (megatron-core's load-balanced layout, see
-:mod:`msa_megatron.parallel.cp_layout`):
+Transformer Engine is not required: the MSA layer does its own CP with the process group it is
+given. The composer (:func:`msa_megatron.core.msa_layer`) runs, on every CP rank
+(megatron-core's load-balanced layout, see :mod:`msa_megatron.parallel.cp_layout`):
 
-1. index keys ``k_idx`` are all-gathered (they are small) into the global THD order;
+1. index keys ``k_idx`` are all-gathered (they are small) into the global THD order
+   (:func:`gather_rows`);
 2. the rank selects blocks for its own queries only, with their global positions
    (``q_pos``) against the gathered keys (``q_kbase`` = global row of the sequence start);
    the selection is returned and reused for backward and recomputation, never recomputed;
-3. K/V reach the rank by one of two exchanges (``kv_exchange``):
+3. K/V reach the rank by one of two exchanges (``kv_exchange``, :func:`exchange_kv`):
 
    - ``"allgather"``: K and V all-gathered; in backward dK/dV are reduce-scattered back.
    - ``"selective"``: per KV head, the rank sends every owner the global ids of the blocks its
@@ -18,7 +20,7 @@ given. Data flow on every CP rank (megatron-core's load-balanced layout, see
      saves bandwidth, not memory). In backward the dK/dV of those entries go back to their
      owners, which add the contributions in ascending source-rank order (deterministic).
 
-4. the backend's attention and KL cores run on the local queries; the KL is
+4. the backend's attention and KL cores run on the local queries (in the composer); the KL is
    ``kl_scale * sum over this rank's queries`` with a global ``kl_scale = 1/(N*Hi_total)``,
    N = tokens of the whole sequence over all CP ranks, so summing the ranks' KL gives the KL of
    one device holding everything. Gradients of gathered index keys return to their owners.
@@ -48,21 +50,8 @@ import torch
 import torch.distributed as dist
 
 from ..config import CP_KV_EXCHANGES
-from ..ops.backends import get_backend, resolve_backend
-from ..ops.validation import (
-    check_backend_limits,
-    check_main_inputs,
-    check_options,
-    check_scale,
-)
-from .cp_layout import CPLayout, build_cp_layout
-from .tensor import (
-    all_gather_rows,
-    kl_of_rows,
-    real_token_rows,
-    shared_index_msa_attention,
-    token_slices,
-)
+from .comm import all_gather_flat, reduce_scatter_flat
+from .cp_layout import CPLayout
 
 BLOCK_ID_DTYPE = torch.int32
 COUNT_DTYPE = torch.int64
@@ -126,16 +115,6 @@ def _row_bytes(x: torch.Tensor) -> int:
     return x[0].numel() * x.element_size() if x.shape[0] else 0
 
 
-def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, inp, group=group)
-
-
-def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> None:
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    scatter(out, inp, group=group)
-
-
 class _GatherRows(torch.autograd.Function):
     """All-gather local rows into the global THD order; backward reduce-scatters to owners."""
 
@@ -147,7 +126,7 @@ class _GatherRows(torch.autograd.Function):
         outs = []
         for x in xs:
             gathered = x.new_empty((layout.cp_size * x.shape[0],) + tuple(x.shape[1:]))
-            _all_gather(gathered, x.contiguous(), group)
+            all_gather_flat(gathered, x, group)
             outs.append(gathered.index_select(0, layout.gathered_to_global))
             stats[f"{prefix}_fwd_bytes_sent"] += peers * x.shape[0] * _row_bytes(x)
             stats[f"{prefix}_fwd_bytes_recv"] += peers * x.shape[0] * _row_bytes(x)
@@ -162,7 +141,7 @@ class _GatherRows(torch.autograd.Function):
         for g in grads:
             rank_major = g.index_select(0, order).contiguous()
             local = g.new_empty((layout.total_local,) + tuple(g.shape[1:]))
-            _reduce_scatter(local, rank_major, ctx.group)
+            reduce_scatter_flat(local, rank_major, ctx.group)
             local_grads.append(local)
             stats[f"{prefix}_bwd_bytes_sent"] += peers * layout.total_local * _row_bytes(g)
             stats[f"{prefix}_bwd_bytes_recv"] += peers * layout.total_local * _row_bytes(g)
@@ -311,160 +290,51 @@ class _SelectiveKV(torch.autograd.Function):
         return None, None, None, None, dk.to(grad_k.dtype), dv.to(grad_v.dtype)
 
 
-def _check_block_idx(block_idx: torch.Tensor, t_local: int, hi: int, top_k: int) -> None:
-    if not isinstance(block_idx, torch.Tensor) or block_idx.dtype != torch.int32:
-        raise TypeError("block_idx must be an int32 torch.Tensor [T_local, Hi_local, top_k]")
-    if tuple(block_idx.shape) != (t_local, hi, top_k):
-        raise ValueError(
-            f"block_idx has shape {list(block_idx.shape)}, expected [T_local, Hi_local, top_k] = "
-            f"{[t_local, hi, top_k]}"
-        )
-
-
-def context_parallel_msa_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_idx: torch.Tensor,
-    k_idx: torch.Tensor,
-    *,
-    cu_seqlens_global: torch.Tensor,
-    cp_group,
-    kv_exchange: str,
-    block_size: int,
-    top_k: int,
-    init_blocks: int,
-    local_blocks: int,
-    softmax_scale: Optional[float],
-    index_scale: Optional[float],
-    mode: str,
-    backend: Optional[str],
-    kl_scale: float,
-    block_idx: Optional[torch.Tensor] = None,
-    tp_share_group=None,
-    cu_seqlens_global_unpadded: Optional[torch.Tensor] = None,
-    stats: Optional[Dict[str, int]] = None,
-) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Dict[str, int]]:
-    """MSA core attention of this CP rank's queries (MSA_SPEC sections 2-4 and 6).
+def gather_rows(layout: CPLayout, group, stats: Dict[str, int], prefix: str,
+                *xs: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """All-gather this rank's rows of each ``x`` into the global THD order (differentiable: the
+    gradients of the gathered rows are reduce-scattered back to their owners).
 
     Args:
-        q: ``[T_local, Hq_local, D]`` main queries (RoPE applied), this rank's tokens in
-            megatron-core's CP order (per packed sequence: chunks ``r`` and ``2*CP-1-r``).
-        k, v: ``[T_local, Hkv_local, D]``; q_idx: ``[T_local, Hi_local, Di]``;
-            k_idx: ``[T_local, Hik, Di]``. One dtype and device for all five.
-        cu_seqlens_global: ``[n+1]`` int32 boundaries of the full, un-split packed sequences
-            (megatron's padded boundaries: ``cu_seqlens_q_padded`` when set, else
-            ``cu_seqlens_q``), every length divisible by ``2*CP``; zero-length sequences
-            allowed. SBHD: ``b`` sequences of the global length, see
-            :func:`msa_megatron.parallel.cp_layout.sbhd_cu_seqlens`.
-        cp_group: the CP process group.
-        kv_exchange: ``"allgather"`` or ``"selective"`` (module docstring).
-        block_size, top_k, init_blocks, local_blocks, softmax_scale, index_scale, mode,
-            backend: as in :func:`msa_megatron.msa_attention`.
-        kl_scale: ``1 / (N * Hi_total)``, N = tokens of the whole micro-batch over all CP ranks.
-        block_idx: ``[T_local, Hi_local, top_k]`` int32 selection of an earlier call (reused,
-            e.g. by activation recomputation); None selects.
-        tp_share_group: the TP ranks sharing this rank's single index head (TP > Hkv, see
-            :func:`msa_megatron.parallel.tensor.share_group`) or None. The ranks split the
-            selection of their local queries and exchange it, then the KL teacher is exact
-            (:func:`msa_megatron.parallel.tensor.shared_index_msa_attention`, run on the CP
-            buffers).
-        cu_seqlens_global_unpadded: ``[n+1]`` int32 boundaries of the real sequences when
-            ``cu_seqlens_global`` holds padded ones (megatron's ``cu_seqlens_q`` next to
-            ``cu_seqlens_q_padded``), or None (no padding). Positions at or past a sequence's
-            real length are padding: their outputs are computed (finite; causal, so real
-            tokens never read them) but they add nothing to the KL. ``kl_scale`` should then
-            count real tokens only. Works with ``tp_share_group`` too.
-        stats: a :data:`STAT_KEYS` dict to add this call's counters to (e.g. a layer's
-            per-step accumulator), or None for a fresh one.
+        layout: the CP layout (:func:`~msa_megatron.parallel.cp_layout.build_cp_layout`).
+        group: the CP group.
+        stats: a :data:`STAT_KEYS` dict; ``<prefix>_fwd_*`` / ``<prefix>_bwd_*`` bytes are added.
+        prefix: ``"index_k"`` or ``"kv"``.
+        xs: ``[T_local, ...]`` tensors.
 
     Returns:
-        ``(out, kl, block_idx, stats)``: ``out [T_local, Hq_local, D]`` in q.dtype,
-        differentiable in q, k, v (dK/dV reach the owner ranks); ``kl`` 0-dim fp32 =
-        ``kl_scale * sum`` of this rank's queries' KL, differentiable in q_idx and k_idx (the
-        gradients of gathered index keys reach their owners); ``block_idx`` ``[T_local,
-        Hi_local, top_k]`` int32 block numbers relative to the sequence start (None in dense
-        mode); ``stats`` the :data:`STAT_KEYS` counters (the ``stats`` argument when given, with
-        this call's counts added; backward entries are added when backward runs).
+        One ``[T_global, ...]`` tensor per input.
+    """
+    return _GatherRows.apply(layout, group, stats, prefix, *xs)
+
+
+def exchange_kv(layout: CPLayout, k: torch.Tensor, v: torch.Tensor,
+                block_idx: Optional[torch.Tensor], kv_exchange: str, group,
+                stats: Dict[str, int]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """K/V of every key row the local queries read, in global-length buffers (step 3 above).
+
+    Args:
+        layout: the CP layout; k, v: ``[T_local, Hkv_local, D]`` this rank's rows.
+        block_idx: ``[T_local, Hi_local, top_k]`` int32 selection of the local queries, or None
+            (dense mode: every causal block).
+        kv_exchange: ``"allgather"`` or ``"selective"``.
+        group: the CP group; stats: a :data:`STAT_KEYS` dict the bytes are added to.
+
+    Returns:
+        ``(k_global, v_global)`` ``[T_global, Hkv_local, D]``, differentiable (dK/dV reach the
+        owner ranks). ``selective`` leaves rows nobody selected at zero.
 
     Raises:
-        TypeError / ValueError: bad inputs (MSA_SPEC section 7) or CP boundaries.
+        ValueError: unknown ``kv_exchange``.
     """
-    check_options(block_size, top_k, init_blocks, local_blocks, backend, mode)
-    check_scale("softmax_scale", softmax_scale)
-    check_scale("index_scale", index_scale)
-    t_local, _, _, D, hi, _, di = check_main_inputs(q, k, v, q_idx, k_idx)
     if kv_exchange not in CP_KV_EXCHANGES:
         raise ValueError(f"kv_exchange must be one of {CP_KV_EXCHANGES}, got {kv_exchange!r}")
-    name = resolve_backend(backend, q.device)
-    check_backend_limits(name, q.dtype, {"D": D, "Di": di}, block_size)
-    if isinstance(cu_seqlens_global, torch.Tensor) and cu_seqlens_global.device != q.device:
-        raise ValueError(
-            f"cu_seqlens_global is on {cu_seqlens_global.device} but the inputs are on {q.device}"
-        )
-    if mode == "dense":
-        block_idx = None
-    elif block_idx is not None:
-        _check_block_idx(block_idx, t_local, hi, top_k)
-    layout = build_cp_layout(cu_seqlens_global, dist.get_world_size(cp_group),
-                             dist.get_rank(cp_group), block_size, q.device, total_local=t_local)
-    if stats is None:
-        stats = new_cp_stats()
-    impl = get_backend(name)
-
-    shared = tp_share_group is not None and dist.get_world_size(tp_share_group) > 1
-    if shared and hi != 1:
-        raise ValueError(
-            f"with a tp_share_group the rank holds exactly one index head, got q_idx with Hi={hi}"
-        )
-    kl_rows = real_token_rows(cu_seqlens_global, cu_seqlens_global_unpadded, layout.q_pos,
-                              layout.q_kbase)
-    select = dict(block_size=block_size, top_k=top_k, init_blocks=init_blocks,
-                  local_blocks=local_blocks, index_scale=index_scale)
-
-    (k_idx_global,) = _GatherRows.apply(layout, cp_group, stats, "index_k", k_idx)
-    if mode == "sparse" and block_idx is None:
-        if shared:
-            block_idx = _shared_selection(impl, q_idx, k_idx_global, layout, tp_share_group,
-                                          select)
-        else:
-            block_idx = impl.select(q_idx.detach(), k_idx_global.detach(), layout.q_pos,
-                                    layout.q_kbase, **select)
-    remote_rows = (layout.cp_size - 1) * t_local * k.shape[1]
+    remote_rows = (layout.cp_size - 1) * layout.total_local * k.shape[1]
     stats["kv_head_rows_remote"] += remote_rows
     if kv_exchange == "allgather":
-        k_global, v_global = _GatherRows.apply(layout, cp_group, stats, "kv", k, v)
+        k_global, v_global = gather_rows(layout, group, stats, "kv", k, v)
         stats["kv_head_rows_fetched"] += remote_rows
-    else:
-        plan = build_selective_plan(layout, needed_blocks(layout, block_idx, k.shape[1]),
-                                    cp_group, stats)
-        k_global, v_global = _SelectiveKV.apply(layout, plan, cp_group, stats, k, v)
-
-    if shared:
-        # Attention of this rank's heads; the KL of its token slice with the exact teacher
-        # (the share group's heads exchanged head <-> token), as without CP.
-        out, kl, _, _ = shared_index_msa_attention(
-            q, k_global, v_global, q_idx, k_idx_global, layout.q_pos, layout.q_kbase,
-            share_group=tp_share_group, backend=name, softmax_scale=softmax_scale, mode=mode,
-            kl_scale=kl_scale, block_idx=block_idx, kl_rows=kl_rows, **select)
-        return out, kl, block_idx, stats
-    out, lse = impl.attention(q, k_global, v_global, block_idx, layout.q_pos, layout.q_kbase,
-                              block_size=block_size, softmax_scale=softmax_scale,
-                              index_heads=hi)
-    # Padding queries (kl_rows) add nothing to the KL.
-    kl = kl_of_rows(impl, kl_rows, q.detach(), k_global.detach(), lse.detach(), q_idx,
-                    k_idx_global, block_idx, layout.q_pos, layout.q_kbase, block_size=block_size,
-                    softmax_scale=softmax_scale, index_scale=index_scale, kl_scale=kl_scale)
-    return out, kl, block_idx, stats
-
-
-def _shared_selection(impl, q_idx: torch.Tensor, k_idx_global: torch.Tensor, layout: CPLayout,
-                      share_group, select: dict) -> torch.Tensor:
-    """Selection of an index head shared by the TP ranks of ``share_group``: each selects a
-    slice of the local queries against the gathered index keys; the slices are all-gathered."""
-    slices = token_slices(layout.total_local, dist.get_world_size(share_group))
-    start, end = slices[dist.get_rank(share_group)]
-    with torch.no_grad():
-        own = impl.select(q_idx[start:end].detach(), k_idx_global.detach(),
-                          layout.q_pos[start:end], layout.q_kbase[start:end], **select)
-        return all_gather_rows(own, slices, share_group)
+        return k_global, v_global
+    plan = build_selective_plan(layout, needed_blocks(layout, block_idx, k.shape[1]), group,
+                                stats)
+    return _SelectiveKV.apply(layout, plan, group, stats, k, v)

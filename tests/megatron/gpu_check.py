@@ -24,7 +24,7 @@ def _paper_check() -> None:
     import torch
 
     from tests.dist_utils import run_distributed
-    from tests.megatron.gpt_harness import Setup, train_worker
+    from tests.support.gpt_harness import Setup, train_worker
 
     setup = Setup(heads=64, groups=4, hidden=512, kv_channels=64, index_head_dim=64,
                   block_size=64, top_k=4, seq=512, layers=2)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.dist_utils import cuda_device_as_cpu, run_distributed, selected_device
-from tests.megatron.gpt_harness import (
+from tests.support.gpt_harness import (
     BATCH,
     Setup,
     batch,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed, selected_device
-from tests.megatron.gpt_harness import tolerance
+from tests.support.devices import tolerance
 
 pytestmark = pytest.mark.slow
 
@@ -24,6 +24,7 @@ def _core(cp_group, cp_kv_exchange=None, cp_comm_type=None):
     from msa_megatron import MSAConfig
     from msa_megatron.megatron import MSACoreAttention
     from msa_megatron.megatron.attention import build_head_layout
+    from msa_megatron.parallel.groups import ParallelGroups
 
     config = TransformerConfig(num_layers=1, hidden_size=HEADS * DIM, num_attention_heads=HEADS,
                                num_query_groups=GROUPS, kv_channels=DIM, attention_dropout=0.0,
@@ -32,7 +33,8 @@ def _core(cp_group, cp_kv_exchange=None, cp_comm_type=None):
                     cp_kv_exchange=cp_kv_exchange)
     core = MSACoreAttention(config, 1, AttnMaskType.causal, cp_comm_type=cp_comm_type,
                             pg_collection=ProcessGroupCollection(tp=None, cp=cp_group))
-    core.bind(msa, build_head_layout(config, msa, 1, 0), 1, None, tp_size=1)
+    core.bind(msa, build_head_layout(config, msa, 1, 0), 1, ParallelGroups(cp=cp_group),
+              tp_size=1)
     return core
 
 
@@ -103,7 +105,10 @@ EXCHANGE_CASES = [
 def _exchange_worker(rank: int, world_size: int) -> list:
     from megatron.core import parallel_state
 
+    from unittest import mock
+
     from msa_megatron.megatron import get_msa_metrics
+    from msa_megatron.parallel import context
 
     cp = parallel_state.get_context_parallel_world_size()
     device = selected_device()  # NCCL exchanges device tensors only
@@ -111,11 +116,12 @@ def _exchange_worker(rank: int, world_size: int) -> list:
     used = []
     for cp_kv_exchange, cp_comm_type, _ in EXCHANGE_CASES:
         core = _core(parallel_state.get_context_parallel_group(), cp_kv_exchange, cp_comm_type)
-        with torch.no_grad():
+        # only the selective exchange plans which blocks to send
+        with torch.no_grad(), mock.patch.object(context, "build_selective_plan",
+                                                wraps=context.build_selective_plan) as plan:
             core(local["q"], local["k"], local["v"], None, q_idx=local["q_idx"],
                  k_idx=local["k_idx"])
-        # only the selective exchange sends block ids
-        used.append("selective" if core.cp_stats["kv_ids_bytes_sent"] > 0 else "allgather")
+        used.append("selective" if plan.called else "allgather")
         get_msa_metrics(reset=True)
     return used
 
@@ -127,3 +133,28 @@ def test_kv_exchange_from_cp_comm_type():
     expected = [case[-1] for case in EXCHANGE_CASES]
     for used in run_distributed(_exchange_worker, 2, tp=1, cp=2):
         assert used == expected
+
+
+THD_LENGTHS = [72, 0, 136, 40]  # multiples of 2*CP (8), documents crossing chunk boundaries
+
+
+def _split_worker(rank: int, world_size: int) -> bool:
+    """Our THD split equals megatron-core's get_batch_on_this_cp_rank applied per sequence."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from msa_megatron.parallel.cp_layout import split_for_cp_rank
+
+    cp_group = parallel_state.get_context_parallel_group()
+    cu = torch.tensor([0] + THD_LENGTHS, dtype=torch.int32).cumsum(0).to(torch.int32)
+    tokens = torch.arange(int(cu[-1]))
+    ours = split_for_cp_rank(tokens, cu, world_size, rank)
+    bounds = cu.tolist()
+    theirs = [get_batch_on_this_cp_rank({"tokens": tokens[a:b].view(1, -1)}, cp_group=cp_group)
+              ["tokens"].view(-1) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    return bool(torch.equal(ours, torch.cat(theirs)))
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_split_matches_megatron(cp):
+    assert all(run_distributed(_split_worker, cp, tp=1, cp=cp))

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.megatron.gpt_harness import SEQ, Setup, batch, build_model, tolerance
+from tests.support.gpt_harness import SEQ, Setup, batch, build_model, tolerance
+from tests.support.spies import count_selections
 
 pytestmark = pytest.mark.slow
 
@@ -27,8 +28,6 @@ def _modes_worker(rank: int, world_size: int) -> dict:
     from msa_megatron.megatron import (
         apply_msa_warmup,
         get_msa_metrics,
-        reset_selection_counts,
-        selection_counts,
         set_kl_loss_scale,
         set_msa_mode,
     )
@@ -37,10 +36,10 @@ def _modes_worker(rank: int, world_size: int) -> dict:
     setup = Setup()
     model = build_model(setup, 1)
     out["sparse_loss"], sparse_grads = _loss_and_grads(model)
-    reset_selection_counts()
     assert set_msa_mode(model, "dense") == setup.layers
-    out["dense_loss"], dense_grads = _loss_and_grads(model)
-    out["dense_selections"] = selection_counts()["calls"]
+    with count_selections(setup.backend) as counts:
+        out["dense_loss"], dense_grads = _loss_and_grads(model)
+    out["dense_selections"] = counts["calls"]
     out["dense_kl"] = get_msa_metrics(reset=True)
     with pytest.raises(ValueError, match="mode"):
         set_msa_mode(model, "warm")
@@ -79,7 +78,7 @@ def test_modes_and_kl_plumbing():
     assert out["max_grad_diff_all_blocks_vs_dense"] < tolerance(0, 1e-6)["atol"]
     assert out["backbone_diff"] <= tolerance(0, 1e-9)["atol"]  # exact on CPU
     assert out["index_grads_without_kl"] == sorted(
-        f"decoder.layers.{i}.self_attention.{p}" for i in range(2)
+        f"decoder.layers.{i}.self_attention.index.{p}" for i in range(2)
         for p in ("linear_q_idx.weight", "linear_k_idx.weight", "q_idx_norm.weight",
                   "k_idx_norm.weight"))
     for ratios in out["index_scale_ratio"]:
@@ -92,7 +91,7 @@ def _metrics_worker(rank: int, world_size: int) -> dict:
     from megatron.core import parallel_state
 
     from msa_megatron.megatron import get_msa_metrics
-    from msa_megatron.megatron.loss import record_kl
+    from msa_megatron.megatron.metrics import record_kl
 
     stage = parallel_state.get_pipeline_model_parallel_rank()
     dp = parallel_state.get_data_parallel_rank()

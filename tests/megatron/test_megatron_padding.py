@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed, selected_device
-from tests.megatron.gpt_harness import VOCAB, Setup, build_model, full_grads, tolerance
+from tests.support.gpt_harness import VOCAB, Setup, build_model, full_grads, tolerance
 
 pytestmark = pytest.mark.slow
 

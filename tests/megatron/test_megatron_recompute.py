@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.megatron.gpt_harness import (
+from tests.support.gpt_harness import (
     Setup,
     batch,
     build_model,
@@ -19,6 +19,7 @@ from tests.megatron.gpt_harness import (
     sum_qk_norm_grads,
     tolerance,
 )
+from tests.support.spies import count_selections
 
 pytestmark = pytest.mark.slow
 
@@ -26,24 +27,24 @@ MICRO_BATCHES = 2
 
 
 def _two_micro_batches(rank: int, world_size: int, setup: Setup, tp: int) -> dict:
-    from msa_megatron.megatron import get_msa_metrics, reset_selection_counts, selection_counts
+    from msa_megatron.megatron import get_msa_metrics
 
     model = build_model(setup, tp)
-    reset_selection_counts()
-    losses = []
-    for micro in range(MICRO_BATCHES):
-        tokens, positions, packed = batch(micro, setup.formats[micro])
-        losses.append(model(tokens, positions, None, labels=tokens,
-                            packed_seq_params=packed).mean())
-    forward_counts = selection_counts()
-    stored_after_forward = sum(len(core._selection_fifo) for core in _cores(model))
-    for loss in losses:
-        loss.backward()
+    with count_selections(setup.backend) as counts:
+        losses = []
+        for micro in range(MICRO_BATCHES):
+            tokens, positions, packed = batch(micro, setup.formats[micro])
+            losses.append(model(tokens, positions, None, labels=tokens,
+                                packed_seq_params=packed).mean())
+        forward_counts = dict(counts)
+        stored_after_forward = sum(len(core._selection_fifo) for core in _cores(model))
+        for loss in losses:
+            loss.backward()
     sum_qk_norm_grads(model)
     stored = sum(len(core._selection_fifo) for core in _cores(model))
     return {"loss": torch.stack(losses).detach().cpu(), "grads": full_grads(model),
             "kl": get_msa_metrics(reset=True), "forward_counts": forward_counts,
-            "counts": selection_counts(), "stored_after_forward": stored_after_forward,
+            "counts": dict(counts), "stored_after_forward": stored_after_forward,
             "stored_after_backward": stored}
 
 

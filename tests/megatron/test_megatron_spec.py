@@ -26,7 +26,7 @@ from msa_megatron.megatron import (
 from msa_megatron.megatron import compat, spec as spec_module
 from msa_megatron.megatron.attention import build_head_layout
 from msa_megatron.megatron.checkpoint import msa_only_keys
-from msa_megatron.parallel.tensor import index_head_layout, token_slices
+from msa_megatron.parallel.tensor import index_head_layout
 from tests.dist_utils import run_distributed
 
 
@@ -105,11 +105,6 @@ def test_head_layout_errors():
         index_head_layout(6, 4, 0)
 
 
-def test_token_slices():
-    assert token_slices(10, 4) == [(0, 3), (3, 6), (6, 9), (9, 10)]
-    assert token_slices(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
-    assert token_slices(0, 2) == [(0, 0), (0, 0)]
-
 
 def test_loss_scale_hook_0_19_path():
     """0.19's schedule calls config.experimental_attention_variant_loss_scale_func; 0.16's
@@ -127,9 +122,9 @@ def test_loss_scale_hook_0_19_path():
 
 
 def test_msa_only_keys():
-    keys = ["decoder.layers.0.self_attention.linear_q_idx.weight",
+    keys = ["decoder.layers.0.self_attention.index.linear_q_idx.weight",
             "decoder.layers.0.self_attention.linear_qkv.weight",
-            "decoder.layers.0.self_attention.k_idx_norm.weight",
+            "decoder.layers.0.self_attention.index.k_idx_norm.weight",
             "decoder.layers.0.self_attention.q_layernorm.weight"]
     assert msa_only_keys(keys) == [keys[0], keys[2]]
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed, selected_device
-from tests.megatron.gpt_harness import Setup, tolerance, train_worker
+from tests.support.gpt_harness import Setup, tolerance, train_worker
 
 pytestmark = pytest.mark.slow
 
@@ -94,10 +94,10 @@ def test_sequence_parallel_matches_single_rank(reference, tp):
 
 def _index_key_worker(rank: int, world_size: int, setup: Setup) -> dict:
     """train_worker plus the local index key projection's shape and TP attributes."""
-    from tests.megatron.gpt_harness import build_model, train
+    from tests.support.gpt_harness import build_model, train
 
     model = build_model(setup, world_size)
-    weight = model.decoder.layers[0].self_attention.linear_k_idx.weight
+    weight = model.decoder.layers[0].self_attention.index.linear_k_idx.weight
     record = train(model, setup)
     record["k_idx_weight"] = (tuple(weight.shape), getattr(weight, "tensor_model_parallel", False))
     return record

@@ -12,7 +12,7 @@ import torch
 
 from msa_megatron import msa_attention
 from msa_megatron.ops import torch_backend
-from msa_megatron.ops.layout import query_layout
+from msa_megatron.layout import query_layout
 from tests.conftest import assert_close, make_inputs
 
 NAMES = ("q", "k", "v", "q_idx", "k_idx")

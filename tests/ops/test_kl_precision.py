@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from msa_megatron.ops.api import msa_attention_core
-from msa_megatron.ops.layout import query_layout
+from msa_megatron.core import MSAOptions, msa_layer
 from tests.conftest import make_inputs, rel_err
 
 KL_SCALE = 1.0 / (131072 * 4)  # N = 128K tokens, Hi = 4
@@ -21,11 +20,9 @@ LOSS_SCALE = 2.0 ** 16  # what an fp16 loss scaler multiplies the loss by
 def _index_grads(inputs, backend, dtype):
     leaves = {name: t.detach().to(dtype).requires_grad_(True) for name, t in inputs.items()
               if name != "cu_seqlens"}
-    q_pos, q_kbase = query_layout(inputs["cu_seqlens"], leaves["q"].shape[0], leaves["q"].device)
-    _, kl = msa_attention_core(
-        leaves["q"], leaves["k"], leaves["v"], leaves["q_idx"], leaves["k_idx"], q_pos, q_kbase,
-        backend=backend, block_size=16, top_k=3, init_blocks=0, local_blocks=1,
-        softmax_scale=None, index_scale=None, mode="sparse", kl_scale=KL_SCALE)
+    options = MSAOptions(backend=backend, block_size=16, top_k=3, init_blocks=0, local_blocks=1)
+    kl = msa_layer(leaves["q"], leaves["k"], leaves["v"], leaves["q_idx"], leaves["k_idx"],
+                   options=options, cu_seqlens=inputs["cu_seqlens"], kl_scale=KL_SCALE).kl
     (kl * LOSS_SCALE).backward()
     grads = (leaves["q_idx"].grad, leaves["k_idx"].grad)
     assert all(g.dtype == dtype for g in grads)

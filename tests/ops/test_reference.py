@@ -1,6 +1,6 @@
 """The oracle (:mod:`msa_megatron.reference`) against the spec written as plain loops.
 
-:mod:`tests.ops.spec_loop` follows MSA_SPEC sections 2-5 token by token and head by head in
+:mod:`tests.support.spec_loop` follows MSA_SPEC sections 2-5 token by token and head by head in
 float64; the oracle must match it in selection, output, LSE, KL value and every gradient, in
 sparse and dense mode, on small odd shapes.
 """
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from msa_megatron import reference as ref
-from msa_megatron.ops.layout import query_layout
+from msa_megatron.layout import query_layout
 from tests.conftest import assert_close, make_inputs
-from tests.ops.spec_loop import spec_attention, spec_kl, spec_select
+from tests.support.spec_loop import spec_attention, spec_kl, spec_select
 
 TOL = 1e-10  # both sides are float64
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from msa_megatron import msa_attention, select_blocks
 from msa_megatron import reference as ref
 from msa_megatron.ops import torch_backend
-from msa_megatron.ops.layout import query_layout
+from msa_megatron.layout import query_layout
 from tests.conftest import (
     TOLERANCES,
     assert_close,
@@ -23,7 +23,7 @@ from tests.conftest import (
     make_inputs,
     seed_from,
 )
-from tests.ops.spec_loop import spec_select
+from tests.support.spec_loop import spec_select
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 NAMES = ("q", "k", "v", "q_idx", "k_idx")

@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 
 from msa_megatron import reference as ref  # noqa: E402
 from msa_megatron.ops.api import msa_attention  # noqa: E402
-from msa_megatron.ops.layout import query_layout  # noqa: E402
+from msa_megatron.layout import query_layout  # noqa: E402
 from tests.conftest import assert_selection_equal, check_selection_structure, rel_err  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

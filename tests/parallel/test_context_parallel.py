@@ -1,9 +1,10 @@
 """Context-parallel MSA core against one process holding everything (MSA_SPEC section 6).
 
-Real gloo ranks on CPU (CP=2, CP=4, TP=2 x CP=2). Each case builds one global packed batch,
+Real gloo ranks on CPU (CP=2, CP=4, TP=2 x CP=2); no megatron-core (the layout's agreement with
+megatron-core's split is tested in ``tests/megatron/test_megatron_cp.py``). Each case builds one global packed batch,
 splits it with megatron-core's load-balanced CP layout, runs
-:func:`context_parallel_msa_attention` on every rank and compares with the single-process
-``msa_attention_core``: outputs, KL (summed over ranks), selections (as sets, per query and
+:func:`msa_megatron.core.msa_layer` with a CP group on every rank and compares with the
+single-process ``msa_layer``: outputs, KL (summed over ranks), selections (as sets, per query and
 index head), and the gradients of q, k, v, q_idx, k_idx of one loss.
 """
 
@@ -13,22 +14,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from msa_megatron.ops.api import msa_attention_core
+from msa_megatron.core import MSAOptions, kl_of_rows, msa_layer
+from msa_megatron.layout import query_layout, real_token_rows
 from msa_megatron.ops.backends import get_backend
-from msa_megatron.ops.layout import query_layout
-from msa_megatron.parallel.context import (
-    context_parallel_msa_attention,
-    cp_bytes_moved,
-    resolve_cp_kv_exchange,
-)
+from msa_megatron.parallel.context import cp_bytes_moved, resolve_cp_kv_exchange
 from msa_megatron.parallel.cp_layout import (
     build_cp_layout,
     sbhd_cu_seqlens,
     split_for_cp_rank,
 )
-from msa_megatron.parallel.tensor import kl_of_rows, real_token_rows
+from msa_megatron.parallel.groups import ParallelGroups
 from tests.dist_utils import run_distributed, selected_device
-from tests.parallel.cp_test_utils import skip_without_gpus
+from tests.support.devices import skip_without_gpus
 
 REFERENCE_BACKEND = "reference"  # the single-process side always runs the oracle
 DTYPE = torch.float64
@@ -40,6 +37,12 @@ SHARED_HEADS = dict(hq=4, hkv=1, hi=1, hik=1, d=16, di=8)
 HEAD_KEYS = {"q": "hq", "k": "hkv", "v": "hkv", "q_idx": "hi", "k_idx": "hik"}
 OPTIONS = dict(block_size=16, top_k=3, init_blocks=1, local_blocks=1, softmax_scale=None,
                index_scale=None)
+SELECT_OPTIONS = {n: OPTIONS[n] for n in ("block_size", "top_k", "init_blocks", "local_blocks",
+                                          "index_scale")}
+
+
+def _options(**changes):
+    return MSAOptions(**dict(OPTIONS, **changes))
 KL_WEIGHT = 50.0  # makes the KL gradient comparable in size to the output gradient
 # THD: lengths multiples of 2*CP (8) but not of the block, a zero-length document, documents
 # crossing chunk boundaries (chunk = length / (2*CP)).
@@ -102,21 +105,18 @@ def _single_process(case, heads):
     block_idx = None
     if case["mode"] == "sparse":
         block_idx = get_backend(REFERENCE_BACKEND).select(
-            x["q_idx"], x["k_idx"], q_pos, q_kbase, block_size=OPTIONS["block_size"],
-            top_k=OPTIONS["top_k"], init_blocks=OPTIONS["init_blocks"],
-            local_blocks=OPTIONS["local_blocks"], index_scale=OPTIONS["index_scale"])
-    out, kl = msa_attention_core(
-        x["q"], x["k"], x["v"], x["q_idx"], x["k_idx"], q_pos, q_kbase, backend=REFERENCE_BACKEND,
-        mode=case["mode"], kl_scale=1.0 / (total * heads["hi"]), block_idx=block_idx, **OPTIONS)
+            x["q_idx"], x["k_idx"], q_pos, q_kbase, **SELECT_OPTIONS)
+    options = _options(backend=REFERENCE_BACKEND, mode=case["mode"])
+    result = msa_layer(*(x[n] for n in NAMES), options=options, cu_seqlens=cu,
+                       kl_scale=1.0 / (total * heads["hi"]), block_idx=block_idx)
+    out, kl = result.out, result.kl
     if case.get("padded"):
         # The KL of the real tokens alone: the batch packed without its padding.
         rows = _real_rows()
-        real_pos, real_kbase = query_layout(_cu(REAL_LENGTHS), rows.numel(), torch.device("cpu"))
-        _, kl = msa_attention_core(
-            *(x[n].index_select(0, rows) for n in NAMES), real_pos, real_kbase,
-            backend=REFERENCE_BACKEND, mode=case["mode"],
-            kl_scale=1.0 / (_kl_tokens(case) * heads["hi"]),
-            block_idx=None if block_idx is None else block_idx[rows], **OPTIONS)
+        kl = msa_layer(*(x[n].index_select(0, rows) for n in NAMES), options=options,
+                       cu_seqlens=_cu(REAL_LENGTHS),
+                       kl_scale=1.0 / (_kl_tokens(case) * heads["hi"]),
+                       block_idx=None if block_idx is None else block_idx[rows]).kl
     ((out * w_out).sum() + KL_WEIGHT * kl).backward()
     return {"out": out.detach(), "kl": kl.detach(), "block_idx": block_idx,
             "grads": {n: t.grad for n, t in x.items()}}
@@ -135,18 +135,6 @@ def _head_slice(name, tp_rank, tp_size, heads):
     return slice(tp_rank * n, (tp_rank + 1) * n)
 
 
-def _check_megatron_split(cu, cp_size, cp_rank, cp_group):
-    """Our THD split equals megatron-core's get_batch_on_this_cp_rank applied per sequence."""
-    from megatron.core.utils import get_batch_on_this_cp_rank
-
-    tokens = torch.arange(int(cu[-1]))
-    ours = split_for_cp_rank(tokens, cu, cp_size, cp_rank)
-    bounds = cu.tolist()
-    theirs = [get_batch_on_this_cp_rank({"tokens": tokens[a:b].view(1, -1)}, cp_group=cp_group)
-              ["tokens"].view(-1) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-    torch.testing.assert_close(ours, torch.cat(theirs), rtol=0, atol=0)
-
-
 def _worker(rank, world_size, cases, tp_size, backend, heads):
     cp_size = world_size // tp_size
     tp_rank, cp_rank = rank % tp_size, rank // tp_size
@@ -154,7 +142,6 @@ def _worker(rank, world_size, cases, tp_size, backend, heads):
     tp_groups = [dist.new_group([c * tp_size + t for t in range(tp_size)]) for c in range(cp_size)]
     cp_group = cp_groups[tp_rank]
     share = tp_groups[cp_rank] if heads["hi"] < tp_size else None
-    _check_megatron_split(_cu(THD_LENGTHS), cp_size, cp_rank, cp_group)
     device = torch.device("cuda", rank) if selected_device() == "cuda" else torch.device("cpu")
     results = [_bad_inputs_raise(cp_group, device)]
     for case in cases:
@@ -165,13 +152,14 @@ def _worker(rank, world_size, cases, tp_size, backend, heads):
                  for n, t in x.items()}
         w_local = split_for_cp_rank(w_out.to(device), cu, cp_size, cp_rank)[
             :, _head_slice("q", tp_rank, tp_size, heads)]
-        kwargs = dict(cu_seqlens_global=cu, cp_group=cp_group, kv_exchange=case["exchange"],
-                      mode=case["mode"], backend=backend, tp_share_group=share,
-                      kl_scale=1.0 / (_kl_tokens(case) * heads["hi"]), **OPTIONS)
+        kwargs = dict(cu_seqlens=cu, groups=ParallelGroups(cp=cp_group, tp_share=share),
+                      options=_options(kv_exchange=case["exchange"], mode=case["mode"],
+                                       backend=backend),
+                      kl_scale=1.0 / (_kl_tokens(case) * heads["hi"]))
         if case.get("padded"):
-            kwargs["cu_seqlens_global_unpadded"] = _cu(REAL_LENGTHS).to(device)
-        out, kl, block_idx, stats = context_parallel_msa_attention(
-            *(local[n] for n in NAMES), **kwargs)
+            kwargs["cu_seqlens_real"] = _cu(REAL_LENGTHS).to(device)
+        res = msa_layer(*(local[n] for n in NAMES), **kwargs)
+        out, kl, block_idx, stats = res.out, res.kl, res.block_idx, res.stats
         ((out * w_local).sum() + KL_WEIGHT * kl).backward()
         result = {"out": out.detach(), "kl": kl.detach(), "block_idx": block_idx,
                   "grads": {n: t.grad for n, t in local.items()}, "stats": dict(stats),
@@ -180,9 +168,10 @@ def _worker(rank, world_size, cases, tp_size, backend, heads):
         if case["mode"] == "sparse":
             # Recomputation reuses the kept selection: with other index keys the output is the
             # same and the selection is not recomputed.
-            again, _, idx_again, _ = context_parallel_msa_attention(
+            again_res = msa_layer(
                 *(local[n].detach() for n in ("q", "k", "v", "q_idx")), -local["k_idx"].detach(),
                 block_idx=block_idx, **kwargs)
+            again, idx_again = again_res.out, again_res.block_idx
             result["recompute_equal"] = bool(torch.equal(again, out.detach())
                                              and torch.equal(idx_again, block_idx))
         results.append(result)
@@ -194,21 +183,22 @@ def _bad_inputs_raise(cp_group, device):
     cp_size = dist.get_world_size(cp_group)
     t_local = 2 * 8 * 3  # three sequences of 16 tokens per rank
     x = {n: torch.randn(t_local, 2 if n != "k_idx" else 1, 8, device=device) for n in NAMES}
-    good = dict(cu_seqlens_global=_cu([16 * cp_size] * 3).to(device), cp_group=cp_group,
-                kv_exchange="allgather", mode="sparse", backend="torch", kl_scale=1.0,
-                **OPTIONS)
+    good = dict(cu_seqlens=_cu([16 * cp_size] * 3).to(device),
+                groups=ParallelGroups(cp=cp_group), options=dict(backend="torch"), kl_scale=1.0)
     bad = {
-        "kv_exchange": dict(good, kv_exchange="ring"),
-        "cu_seqlens_global": dict(good, cu_seqlens_global=_cu([16 * cp_size, 2, 16 * cp_size - 2])
+        "kv_exchange": dict(good, options=dict(backend="torch", kv_exchange="ring")),
+        "cu_seqlens_global": dict(good, cu_seqlens=_cu([16 * cp_size, 2, 16 * cp_size - 2])
                                   .to(device)),
-        "CP * T_local": dict(good, cu_seqlens_global=_cu([16 * cp_size] * 2).to(device)),
+        "CP * T_local": dict(good, cu_seqlens=_cu([16 * cp_size] * 2).to(device)),
         "block_idx": dict(good, block_idx=torch.zeros(t_local, 2, 2, dtype=torch.int32,
                                                       device=device)),
     }
     raised = {}
     for needle, kwargs in bad.items():
         try:
-            context_parallel_msa_attention(*(x[n] for n in NAMES), **kwargs)
+            # The options are built inside the try: an invalid option raises on construction.
+            kwargs = dict(kwargs, options=_options(**kwargs["options"]))
+            msa_layer(*(x[n] for n in NAMES), **kwargs)
             raised[needle] = False
         except (TypeError, ValueError) as error:
             raised[needle] = needle in str(error)

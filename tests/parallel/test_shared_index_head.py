@@ -1,20 +1,19 @@
 """The TP > Hkv exchange at the op level: ranks sharing an index head (each with some of its query
 heads) select once between them and compute the exact KL teacher, for token counts that do not
-split evenly (padded gathers, an empty slice) and packed sequences, in sparse and dense mode."""
+split evenly (padded gathers, an empty slice) and packed sequences, in sparse and dense mode.
+No megatron-core: plain gloo ranks calling the composer with a ``tp_share`` group."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from msa_megatron.ops.layout import query_layout
-from msa_megatron.parallel.tensor import (
-    local_msa_attention,
-    share_group,
-    shared_index_msa_attention,
-)
+from msa_megatron.core import MSAOptions, msa_layer
+from msa_megatron.parallel.groups import ParallelGroups
+from msa_megatron.parallel.tensor import share_group
 from tests.dist_utils import run_distributed, selected_device
-from tests.megatron.gpt_harness import tolerance
+from tests.support.devices import tolerance
+from tests.support.spies import count_selections
 
 pytestmark = pytest.mark.slow
 
@@ -30,18 +29,19 @@ def _inputs(total: int):
             for name, h in heads.items()}
 
 
-def _run(fn, tensors, lengths, mode, out_weights, **kwargs):
+def _run(tensors, lengths, mode, out_weights, groups=ParallelGroups()):
     device = selected_device()
     leaves = {n: t.detach().to(device).requires_grad_() for n, t in tensors.items()}
     cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
-    q_pos, q_kbase = query_layout(cu, leaves["q"].shape[0], torch.device(device))
-    out, kl, block_idx, rows = fn(leaves["q"], leaves["k"], leaves["v"], leaves["q_idx"],
-                                  leaves["k_idx"], q_pos, q_kbase, mode=mode,
-                                  kl_scale=1.0 / max(leaves["q"].shape[0], 1), **OPTIONS,
-                                  **kwargs)
-    ((out * out_weights.to(device)).sum() + kl).backward()
-    return {"out": out.detach().cpu(), "kl": kl.detach().cpu(), "rows": rows,
-            "block_idx": None if block_idx is None else block_idx.cpu(),
+    with count_selections(OPTIONS["backend"]) as counts:
+        result = msa_layer(leaves["q"], leaves["k"], leaves["v"], leaves["q_idx"],
+                           leaves["k_idx"], options=MSAOptions(mode=mode, **OPTIONS),
+                           cu_seqlens=cu, groups=groups,
+                           kl_scale=1.0 / max(leaves["q"].shape[0], 1))
+    ((result.out * out_weights.to(device)).sum() + result.kl).backward()
+    block_idx = result.block_idx
+    return {"out": result.out.detach().cpu(), "kl": result.kl.detach().cpu(),
+            "rows": counts["rows"], "block_idx": None if block_idx is None else block_idx.cpu(),
             **{f"grad_{n}": t.grad.cpu() for n, t in leaves.items()}}
 
 
@@ -51,13 +51,12 @@ def _worker(rank: int, world_size: int, lengths: list, mode: str) -> dict:
     tensors = _inputs(sum(lengths))
     weights = torch.linspace(-1, 1, tensors["q"].numel(), dtype=torch.float64)
     weights = weights.view_as(tensors["q"])
-    reference = _run(local_msa_attention, tensors, lengths, mode, weights)
+    reference = _run(tensors, lengths, mode, weights)
     heads = HEADS // world_size
     own = slice(rank * heads, (rank + 1) * heads)
     mine = dict(tensors, q=tensors["q"][:, own])
     group = share_group(dist.group.WORLD, world_size)
-    result = _run(shared_index_msa_attention, mine, lengths, mode, weights[:, own],
-                  share_group=group)
+    result = _run(mine, lengths, mode, weights[:, own], ParallelGroups(tp_share=group))
     for name in ("kl", "grad_q_idx", "grad_k_idx"):  # partial on each rank: summed by the layer
         partial = result[name].to(selected_device())  # NCCL reduces device tensors only
         dist.all_reduce(partial)
@@ -88,3 +87,22 @@ def test_shared_index_head_matches_one_rank(lengths, mode):
         torch.testing.assert_close(got["kl"], ref["kl"], **tolerance(1e-6, 1e-9))  # fp32 KL
         for name in ("grad_q_idx", "grad_k_idx"):
             torch.testing.assert_close(got[name], ref[name], **tolerance(1e-9, 1e-11), msg=name)
+
+
+def test_shared_index_head_rejects_several_index_heads():
+    """With a share group the rank holds one index head (checked before any collective)."""
+    results = run_distributed(_several_heads_worker, 2)
+    assert all(results)
+
+
+def _several_heads_worker(rank: int, world_size: int) -> bool:
+    import torch.distributed as dist
+
+    x = {n: torch.randn(8, 2 if n != "k_idx" else 1, 16) for n in ("q", "k", "v", "q_idx",
+                                                                    "k_idx")}
+    groups = ParallelGroups(tp_share=share_group(dist.group.WORLD, world_size))
+    try:
+        msa_layer(*x.values(), options=MSAOptions(**OPTIONS), kl_scale=1.0, groups=groups)
+    except ValueError as error:
+        return "one index head" in str(error)
+    return False

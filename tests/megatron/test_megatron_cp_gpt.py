@@ -5,7 +5,8 @@ head) on gloo, several SGD steps alternating SBHD / padded THD batches and the t
 modes: LM losses, KL metrics and every parameter gradient equal the single-rank run (MSA_SPEC
 section 6). Batches are split with megatron-core's load-balanced layout; gradients are summed
 over the CP group, as megatron's DP x CP gradient all-reduce does. The CP bytes reported by
-``get_msa_metrics`` equal the per-rank counters (and the closed forms of ``allgather``).
+``get_msa_metrics`` equal the mean of each rank's own (read with a one-rank group), and the
+closed forms of ``allgather``.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from msa_megatron.parallel.context import cp_bytes_received
 from msa_megatron.parallel.cp_layout import split_for_cp_rank
 from tests.dist_utils import run_distributed, selected_device
-from tests.megatron.gpt_harness import BATCH, LR, SEQ, VOCAB, Setup, full_grads, sum_qk_norm_grads
-from tests.parallel.cp_test_utils import skip_without_gpus
+from tests.support.gpt_harness import BATCH, LR, SEQ, VOCAB, Setup, full_grads, sum_qk_norm_grads
+from tests.support.devices import skip_without_gpus
+from tests.support.spies import count_selections
 
 pytestmark = pytest.mark.slow
 
@@ -116,17 +117,14 @@ def _cp_worker(rank: int, world_size: int, tp: int, cp: int, recompute=None,
                groups: int = Setup().groups) -> dict:
     from megatron.core import parallel_state
 
-    from msa_megatron.megatron import (
-        MSACoreAttention,
-        get_msa_metrics,
-        reset_selection_counts,
-        selection_counts,
-    )
+    from msa_megatron.megatron import MSACoreAttention, get_msa_metrics
 
     _install_cp_rope_shim()
     setup = Setup(recompute=recompute, groups=groups)
     model, msa = _build(setup, tp, cp)
     cp_group = parallel_state.get_context_parallel_group()
+    own_group = [dist.new_group([r]) for r in range(world_size)][rank]  # unreduced metrics
+    counts = {"calls": 0}
     get_msa_metrics(reset=True)
     record = {"loss": [], "kl": [], "grads": [], "bytes": [], "cp_bytes": [],
               "selection_calls": [], "core_calls": []}
@@ -142,10 +140,10 @@ def _cp_worker(rank: int, world_size: int, tp: int, cp: int, recompute=None,
         msa.cp_kv_exchange = None if exchange == "selective" else exchange
         tokens, positions, packed = _cp_batch(step, fmt, cp_group)
         model.zero_grad(set_to_none=True)
-        reset_selection_counts()
         core_calls[0] = 0
-        losses = model(tokens, positions, None, labels=tokens, packed_seq_params=packed)
-        (losses.sum() / n_global).backward()
+        with count_selections(setup.backend) as counts:
+            losses = model(tokens, positions, None, labels=tokens, packed_seq_params=packed)
+            (losses.sum() / n_global).backward()
         sum_qk_norm_grads(model)
         for param in model.parameters():
             if param.grad is not None:
@@ -154,14 +152,17 @@ def _cp_worker(rank: int, world_size: int, tp: int, cp: int, recompute=None,
         dist.all_reduce(loss, group=cp_group)
         record["loss"].append(loss / n_global)
         # (forward, backward) bytes this rank received per layer, read before the reset
-        record["bytes"].append([cp_bytes_received(core.cp_stats) if cp > 1 else (0, 0)
-                                for core in cores])
+        own = get_msa_metrics(reset=False, group=own_group)
+        record["bytes"].append([
+            (own.get(f"msa/cp_bytes_fwd/layer_{layer:02d}", 0.0),
+             own.get(f"msa/cp_bytes_bwd/layer_{layer:02d}", 0.0))
+            for layer in range(1, len(cores) + 1)])
         metrics = get_msa_metrics(reset=True)
         record["kl"].append({k: v for k, v in metrics.items() if k.startswith("msa/kl")})
         record["cp_bytes"].append({k: v for k, v in metrics.items()
                                    if k.startswith("msa/cp_bytes")})
         record["grads"].append(full_grads(model))
-        record["selection_calls"].append(selection_counts()["calls"])
+        record["selection_calls"].append(counts["calls"])
         record["core_calls"].append(core_calls[0])
         with torch.no_grad():
             for param in model.parameters():

@@ -17,19 +17,13 @@ import torch.distributed as dist
 
 import msa_megatron.megatron  # noqa: F401
 from tests.dist_utils import selected_device
+from tests.support.devices import BACKEND_ENV, tolerance  # noqa: F401  (re-exported)
+from tests.support.spies import count_selections
 
 VOCAB = 256
 SEQ = 96
 BATCH = 2
 LR = 0.5
-BACKEND_ENV = "MSA_TEST_BACKEND"  # e.g. "triton" on GPUs; default "torch"
-
-
-def tolerance(rtol: float, atol: float) -> dict:
-    """Comparison tolerances: as given for the exact fp32 backends; x100 for the Triton backend,
-    whose fp32 dots run in TF32 on GPUs."""
-    scale = 100.0 if os.environ.get(BACKEND_ENV) == "triton" else 1.0
-    return dict(rtol=rtol * scale, atol=atol * scale)
 
 
 @dataclass
@@ -162,10 +156,16 @@ def full_grads(model) -> Dict[str, torch.Tensor]:
 
 
 def train(model, setup: Setup, steps: Optional[int] = None) -> Dict[str, list]:
-    """SGD steps; returns per-step losses, KL metrics, full grads and selection counts."""
-    from msa_megatron.megatron import get_msa_metrics, reset_selection_counts, selection_counts
+    """SGD steps; returns per-step losses, KL metrics, full grads and selection counts
+    (``{"calls", "rows"}`` of this rank, :func:`tests.support.spies.count_selections`)."""
+    from msa_megatron.megatron import get_msa_metrics
 
-    reset_selection_counts()
+    with count_selections(setup.backend) as counts:
+        return _train(model, setup, steps, counts, get_msa_metrics)
+
+
+def _train(model, setup: Setup, steps: Optional[int], counts: Dict[str, int],
+           get_msa_metrics) -> Dict[str, list]:
     get_msa_metrics(reset=True)
     record: Dict[str, list] = {"loss": [], "kl": [], "grads": [], "selections": []}
     formats = setup.formats[:steps] if steps else setup.formats
@@ -178,8 +178,8 @@ def train(model, setup: Setup, steps: Optional[int] = None) -> Dict[str, list]:
         record["loss"].append(loss.detach().cpu())
         record["kl"].append(get_msa_metrics(reset=True))
         record["grads"].append(full_grads(model))
-        record["selections"].append(selection_counts())
-        reset_selection_counts()
+        record["selections"].append(dict(counts))
+        counts.update(calls=0, rows=0)
         with torch.no_grad():
             for param in model.parameters():
                 if param.grad is not None:

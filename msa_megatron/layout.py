@@ -1,0 +1,89 @@
+"""Query layouts: where each query sits in its sequence and where its keys start.
+
+Every backend core takes two int32 vectors instead of ``cu_seqlens`` (MSA_SPEC sections 2-3):
+
+- ``q_pos [Tq]``: the query's position ``p`` counted from the start of its own sequence;
+- ``q_kbase [Tq]``: the row of ``k`` / ``v`` / ``k_idx`` holding position 0 of that sequence.
+
+The keys of query ``p`` are rows ``q_kbase[p] + u`` for ``u <= q_pos[p]``; block ``b`` is rows
+``q_kbase[p] + b*B .. + min((b+1)*B, q_pos[p]+1) - 1``. With ``cu_seqlens`` this is
+``q_pos = t - cu_seqlens[seq(t)]``, ``q_kbase = cu_seqlens[seq(t)]``. Context parallelism passes
+the local queries' global positions against a gathered key buffer, with no other change
+(:func:`msa_megatron.parallel.cp_layout.build_cp_layout`).
+
+This module is plain index maths shared by the oracle (:mod:`msa_megatron.reference`), the
+composer (:mod:`msa_megatron.core`) and the parallel layouts; it imports nothing of the package.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+
+def query_layout(
+    cu_seqlens: Optional[torch.Tensor], total: int, device: torch.device
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(q_pos, q_kbase)``, both int32 ``[T]``, for packed THD sequences.
+
+    Args:
+        cu_seqlens: ``[n+1]`` int32 sequence starts (validated by the caller) or None for one
+            sequence of length ``total``.
+        total: T.
+        device: device of the result.
+    """
+    t = torch.arange(total, device=device, dtype=torch.int64)
+    if cu_seqlens is None:
+        return t.to(torch.int32), torch.zeros(total, device=device, dtype=torch.int32)
+    starts = cu_seqlens.to(device=device, dtype=torch.int64)
+    # seq(t) = the last sequence whose start is <= t (zero-length sequences are skipped).
+    seq = torch.searchsorted(starts[1:], t, right=True)
+    base = starts[seq]
+    return (t - base).to(torch.int32), base.to(torch.int32)
+
+
+def real_token_rows(cu_seqlens_padded: torch.Tensor, cu_seqlens_real: Optional[torch.Tensor],
+                    q_pos: torch.Tensor, q_kbase: torch.Tensor) -> Optional[torch.Tensor]:
+    """Rows of real (non-padding) query tokens of padded packed sequences (megatron-core's THD
+    ``cu_seqlens_q_padded`` next to ``cu_seqlens_q``).
+
+    A token at position ``p`` of sequence ``s`` is padding when ``p >= real length of s``
+    (megatron pads each sequence at its end).
+
+    Args:
+        cu_seqlens_padded: ``[n+1]`` int32 padded boundaries (those the tokens are laid out by).
+        cu_seqlens_real: ``[n+1]`` int32 real boundaries, or None (no padding).
+        q_pos, q_kbase: ``[T]`` int32 query layout against the padded boundaries: position in
+            the sequence, row of its start.
+
+    Returns:
+        ``[R]`` int64 ascending rows of real tokens, or None when no sequence is padded.
+
+    Raises:
+        TypeError: ``cu_seqlens_real`` not an int32 tensor.
+        ValueError: shapes differ, or a real length is negative or above its padded length.
+    """
+    if cu_seqlens_real is None:
+        return None
+    if not isinstance(cu_seqlens_real, torch.Tensor) or cu_seqlens_real.dtype != torch.int32:
+        raise TypeError("the real (unpadded) cu_seqlens must be an int32 torch.Tensor or None")
+    if cu_seqlens_real.shape != cu_seqlens_padded.shape:
+        raise ValueError(
+            f"the real (unpadded) cu_seqlens has shape {list(cu_seqlens_real.shape)} but the "
+            f"padded cu_seqlens has shape {list(cu_seqlens_padded.shape)}"
+        )
+    real = torch.diff(cu_seqlens_real.to(device=q_pos.device, dtype=torch.int64))
+    padded = torch.diff(cu_seqlens_padded.to(device=q_pos.device, dtype=torch.int64))
+    if bool((real < 0).any()) or bool((real > padded).any()):
+        raise ValueError(
+            f"the real (unpadded) cu_seqlens {cu_seqlens_real.tolist()} must have non-negative "
+            f"lengths no larger than those of the padded cu_seqlens {cu_seqlens_padded.tolist()}"
+        )
+    if bool((real == padded).all()):
+        return None
+    starts = cu_seqlens_padded.to(device=q_pos.device, dtype=torch.int64)
+    # The last boundary <= the start row: skips zero-length sequences that share the start.
+    seq = torch.searchsorted(starts, q_kbase.to(torch.int64), right=True) - 1
+    keep = q_pos.to(torch.int64) < real[seq]
+    return torch.nonzero(keep).flatten()

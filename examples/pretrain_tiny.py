@@ -57,11 +57,13 @@ from megatron.core.transformer import TransformerConfig
 from msa_megatron import MSAConfig
 from msa_megatron.diagnostics import distance_histogram, sample_rows
 from msa_megatron.megatron import (
+    add_msa_arguments,
     arm_selection_probe,
     get_gpt_layer_msa_spec,
     get_msa_metrics,
     MSACoreAttention,
     index_branch_parameters,
+    msa_config_from_args,
     set_kl_loss_scale,
     set_msa_mode,
 )
@@ -307,13 +309,7 @@ def model_config(args: argparse.Namespace) -> TransformerConfig:
 
 def msa_config(args: argparse.Namespace) -> MSAConfig:
     """MSA hyper-parameters from the command line (warmup starts dense)."""
-    return MSAConfig(
-        block_size=args.block_size,
-        top_k=args.top_k,
-        index_head_dim=args.index_head_dim,
-        kl_coeff=args.kl_coeff,
-        mode="dense",
-    )
+    return msa_config_from_args(args, prefix="", mode="dense")
 
 
 def keep_rope_on_cpu(model: GPTModel) -> None:
@@ -800,10 +796,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--ffn-hidden", type=int, default=704)
     p.add_argument("--heads", type=int, default=4, help="query heads (head dim = hidden / heads)")
     p.add_argument("--query-groups", type=int, default=2, help="GQA KV groups")
-    p.add_argument("--block-size", type=int, default=64, help="MSA key block size")
-    p.add_argument("--top-k", type=int, default=8, help="MSA selected blocks per query")
-    p.add_argument("--index-head-dim", type=int, default=64)
-    p.add_argument("--kl-coeff", type=float, default=1.0)
+    add_msa_arguments(p, prefix="", warmup=False,  # --block-size, --top-k, ... (MSAConfig)
+                      defaults=MSAConfig(block_size=64, top_k=8, index_head_dim=64))
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--lr-warmup", type=int, default=10)
     p.add_argument("--clip-grad", type=float, default=1.0)

@@ -16,6 +16,7 @@ from .attention import (
     index_branch_parameters,
     set_msa_mode,
 )
+from .args import add_msa_arguments, msa_config_from_args
 from .checkpoint import load_dense_checkpoint, msa_only_keys
 from .index import MSAIndexBranch
 from .loss import get_kl_loss_scale, schedule_loss_scale, set_kl_loss_scale
@@ -30,6 +31,7 @@ __all__ = [
     "MSASelfAttention",
     "MSASelfAttentionSubmodules",
     "SelectionProbe",
+    "add_msa_arguments",
     "apply_msa_warmup",
     "arm_selection_probe",
     "clear_selection_cache",
@@ -39,6 +41,7 @@ __all__ = [
     "gpt_layer_msa_spec",
     "index_branch_parameters",
     "load_dense_checkpoint",
+    "msa_config_from_args",
     "msa_only_keys",
     "schedule_loss_scale",
     "set_kl_loss_scale",

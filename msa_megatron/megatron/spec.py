@@ -32,6 +32,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from ..config import MSAConfig
 from . import compat
+from .args import msa_config_from_mapping
 from .attention import MSACoreAttention, MSASelfAttention, MSASelfAttentionSubmodules
 
 MSA_CONFIG_ENV = "MSA_CONFIG"
@@ -115,11 +116,7 @@ def msa_config_from_env() -> MSAConfig:
         raise ValueError(f"${MSA_CONFIG_ENV} is not valid JSON: {error}") from error
     if not isinstance(fields, dict):
         raise ValueError(f"${MSA_CONFIG_ENV} must be a JSON object, got {text!r}")
-    known = {f.name for f in dataclasses.fields(MSAConfig)}
-    unknown = sorted(set(fields) - known)
-    if unknown:
-        raise ValueError(f"${MSA_CONFIG_ENV} has unknown MSAConfig fields {unknown}")
-    return MSAConfig(**fields)
+    return msa_config_from_mapping(fields, f"${MSA_CONFIG_ENV}")
 
 
 def spec_for_config(config: TransformerConfig) -> ModuleSpec:

@@ -1,0 +1,110 @@
+"""Command-line flags -> :class:`~msa_megatron.MSAConfig`, written once for every entry point.
+
+Megatron-LM (the ``--msa-*`` flags of the patch and ``examples/megatron_lm``), the tiny example
+(``examples/pretrain_tiny.py``, unprefixed flags) and the ``MSA_CONFIG`` environment variable of
+:mod:`.spec` all build their config here::
+
+    parser = argparse.ArgumentParser()
+    add_msa_arguments(parser)            # --msa-block-size, ..., --msa-warmup-steps
+    args = parser.parse_args()
+    config = msa_config_from_args(args)  # dense first when --msa-warmup-steps > 0
+
+Nothing here imports megatron-core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any, Dict, Mapping, Optional
+
+from ..config import BACKENDS, CP_KV_EXCHANGES, MSAConfig
+
+# MSAConfig field -> (type, choices, help). ``mode`` is not a flag: it follows the warmup.
+MSA_FLAG_FIELDS: Dict[str, tuple] = {
+    "block_size": (int, None, "key block size in tokens"),
+    "top_k": (int, None, "selected blocks per query token and index head"),
+    "init_blocks": (int, None, "first blocks of each sequence that are always selected"),
+    "local_blocks": (int, None, "last blocks up to the query's own block always selected"),
+    "softmax_scale": (float, None, "main-branch logit scale (default: head_dim ** -0.5)"),
+    "index_scale": (float, None, "index-branch logit scale (default: index_head_dim ** -0.5)"),
+    "index_heads": (int, None, "index query heads (default: one per query group)"),
+    "index_key_heads": (int, None, "index key heads"),
+    "index_head_dim": (int, None, "head dim of the index branch"),
+    "kl_coeff": (float, None, "weight of the summed per-layer index-branch KL losses"),
+    "backend": (str, BACKENDS, "kernel backend (default: triton on CUDA, torch otherwise)"),
+    "cp_kv_exchange": (str, CP_KV_EXCHANGES,
+                       "context-parallel K/V exchange (default: from megatron's cp_comm_type)"),
+}
+WARMUP_FIELD = "warmup_steps"
+
+
+def add_msa_arguments(parser: argparse.ArgumentParser, *, prefix: str = "msa",
+                      defaults: Optional[MSAConfig] = None,
+                      warmup: bool = True) -> argparse.ArgumentParser:
+    """Add one argument group with a flag per :data:`MSA_FLAG_FIELDS` field.
+
+    Args:
+        parser: the parser to extend (returned, for Megatron-LM's ``extra_args_provider``).
+        prefix: flag prefix: ``"msa"`` gives ``--msa-block-size`` (attribute
+            ``msa_block_size``); ``""`` gives ``--block-size`` (attribute ``block_size``).
+        defaults: the config whose values are the flags' defaults (``MSAConfig()`` when None).
+        warmup: also add ``--<prefix>-warmup-steps`` (dense steps before sparse, default 0).
+
+    Returns:
+        ``parser``.
+    """
+    defaults = defaults or MSAConfig()
+    group = parser.add_argument_group(title="MiniMax Sparse Attention (msa-megatron)")
+    for field, (kind, choices, text) in MSA_FLAG_FIELDS.items():
+        group.add_argument(_flag(prefix, field), dest=_dest(prefix, field), type=kind,
+                           choices=choices, default=getattr(defaults, field),
+                           help=f"MSA: {text}")
+    if warmup:
+        group.add_argument(_flag(prefix, WARMUP_FIELD), dest=_dest(prefix, WARMUP_FIELD),
+                           type=int, default=0,
+                           help="MSA: dense-attention steps before switching to sparse")
+    return parser
+
+
+def msa_config_from_args(args: argparse.Namespace, *, prefix: str = "msa",
+                         mode: Optional[str] = None) -> MSAConfig:
+    """The :class:`MSAConfig` of the flags of :func:`add_msa_arguments`.
+
+    Args:
+        args: parsed arguments; fields whose attribute is missing keep MSAConfig's default.
+        prefix: as given to :func:`add_msa_arguments`.
+        mode: ``"sparse"`` / ``"dense"``; None: dense when ``<prefix>_warmup_steps > 0``.
+
+    Raises:
+        ValueError / TypeError: invalid values (MSAConfig's checks).
+    """
+    fields = {field: getattr(args, _dest(prefix, field)) for field in MSA_FLAG_FIELDS
+              if hasattr(args, _dest(prefix, field))}
+    if mode is None:
+        mode = "dense" if (getattr(args, _dest(prefix, WARMUP_FIELD), 0) or 0) > 0 else "sparse"
+    return MSAConfig(mode=mode, **fields)
+
+
+def msa_config_from_mapping(fields: Mapping[str, Any], source: str = "the mapping") -> MSAConfig:
+    """:class:`MSAConfig` from a mapping of its field names (e.g. parsed JSON).
+
+    Raises:
+        ValueError: ``fields`` is not a mapping or names unknown fields; MSAConfig's own
+            ValueError / TypeError for invalid values.
+    """
+    if not isinstance(fields, Mapping):
+        raise ValueError(f"{source} must be a JSON object of MSAConfig fields, got {fields!r}")
+    known = {f.name for f in dataclasses.fields(MSAConfig)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"{source} has unknown MSAConfig fields {unknown}")
+    return MSAConfig(**dict(fields))
+
+
+def _flag(prefix: str, field: str) -> str:
+    return "--" + (f"{prefix}-" if prefix else "") + field.replace("_", "-")
+
+
+def _dest(prefix: str, field: str) -> str:
+    return (f"{prefix}_" if prefix else "") + field

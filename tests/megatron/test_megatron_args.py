@@ -1,0 +1,72 @@
+"""Command-line flags -> MSAConfig, written once (:mod:`msa_megatron.megatron.args`): the
+``--msa-*`` flags of Megatron-LM, the unprefixed flags of the tiny example and the JSON of
+``MSA_CONFIG`` all give the same config."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from msa_megatron import MSAConfig
+from msa_megatron.megatron import add_msa_arguments, msa_config_from_args
+from msa_megatron.megatron.args import MSA_FLAG_FIELDS, msa_config_from_mapping
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _parse(argv, **kwargs):
+    parser = argparse.ArgumentParser()
+    add_msa_arguments(parser, **kwargs)
+    return parser.parse_args(argv)
+
+
+def test_defaults_are_msa_config_defaults():
+    assert msa_config_from_args(_parse([])) == MSAConfig()
+
+
+def test_flags_set_fields_and_warmup_starts_dense():
+    args = _parse(["--msa-block-size", "64", "--msa-top-k", "4", "--msa-init-blocks", "1",
+                   "--msa-index-heads", "4", "--msa-kl-coeff", "0.5", "--msa-backend", "torch",
+                   "--msa-cp-kv-exchange", "selective", "--msa-softmax-scale", "0.2",
+                   "--msa-warmup-steps", "3"])
+    assert msa_config_from_args(args) == MSAConfig(
+        block_size=64, top_k=4, init_blocks=1, index_heads=4, kl_coeff=0.5, backend="torch",
+        cp_kv_exchange="selective", softmax_scale=0.2, mode="dense")
+    assert args.msa_warmup_steps == 3
+    assert msa_config_from_args(args, mode="sparse").mode == "sparse"
+    assert msa_config_from_args(_parse(["--msa-warmup-steps", "0"])).mode == "sparse"
+
+
+def test_unprefixed_flags_with_other_defaults():
+    defaults = MSAConfig(block_size=64, top_k=8, index_head_dim=64)
+    args = _parse(["--top-k", "6"], prefix="", defaults=defaults, warmup=False)
+    assert not hasattr(args, "warmup_steps")
+    assert msa_config_from_args(args, prefix="", mode="dense") == dataclasses.replace(
+        defaults, top_k=6, mode="dense")
+
+
+def test_invalid_values_raise():
+    with pytest.raises(SystemExit):  # argparse: a backend that does not exist
+        _parse(["--msa-backend", "cuda"])
+    with pytest.raises(ValueError, match="top_k"):
+        msa_config_from_args(_parse(["--msa-top-k", "0"]))
+
+
+def test_mapping():
+    assert msa_config_from_mapping({"top_k": 5}) == MSAConfig(top_k=5)
+    with pytest.raises(ValueError, match="unknown MSAConfig fields"):
+        msa_config_from_mapping({"topk": 5})
+    with pytest.raises(ValueError, match="JSON object"):
+        msa_config_from_mapping([1])
+
+
+def test_megatron_lm_patch_flags_are_the_library_flags():
+    """The Megatron-LM patch adds the same ``--msa-*`` flags (until it calls the library)."""
+    patch = (REPO / "patches" / "0001-msa-arguments.patch").read_text()
+    flags = set(re.findall(r"'(--msa-[a-z-]+)'", patch))
+    ours = {"--msa-" + f.replace("_", "-") for f in MSA_FLAG_FIELDS} | {"--msa-warmup-steps"}
+    assert flags - {"--msa"} <= ours

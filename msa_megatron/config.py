@@ -19,7 +19,7 @@ class MSAConfig:
     """Hyper-parameters of one MSA attention layer.
 
     Attributes:
-        block_size: key block size B in tokens (power of two >= 16; kernels support 64, 128).
+        block_size: key block size B in tokens (power of two >= 16; Triton: 16 to 128).
         top_k: selected blocks per query token and index head (forced blocks included).
         init_blocks: the first ``init_blocks`` blocks of each sequence are always selected.
         local_blocks: the last ``local_blocks`` blocks up to and including the query's own

@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from msa_megatron import reference as ref  # noqa: E402
 from msa_megatron.ops import torch_backend  # noqa: E402
 from msa_megatron.ops import triton as tri  # noqa: E402
-from msa_megatron.ops.api import msa_attention  # noqa: E402
+from msa_megatron.api import msa_attention  # noqa: E402
 from msa_megatron.layout import query_layout  # noqa: E402
 
 HEADS = {

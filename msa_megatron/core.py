@@ -30,7 +30,6 @@ in order.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -106,10 +105,6 @@ class MSAOptions:
             overrides.pop("softmax_scale", None)
         fields.update(overrides)
         return cls(**fields)
-
-    def replace(self, **changes: Any) -> "MSAOptions":
-        """A validated copy with ``changes``."""
-        return dataclasses.replace(self, **changes)
 
     def select_kwargs(self) -> Dict[str, Any]:
         """Keyword arguments of a backend's ``select`` core."""

@@ -13,7 +13,7 @@ import torch
 from msa_megatron import msa_attention
 from msa_megatron.ops import torch_backend
 from msa_megatron.layout import query_layout
-from tests.conftest import assert_close, make_inputs
+from tests.support.inputs import assert_close, make_inputs
 
 NAMES = ("q", "k", "v", "q_idx", "k_idx")
 OPTIONS = dict(block_size=16, top_k=2, init_blocks=1, local_blocks=1)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from msa_megatron.core import MSAOptions, msa_layer
-from tests.conftest import make_inputs, rel_err
+from tests.support.inputs import make_inputs, rel_err
 
 KL_SCALE = 1.0 / (131072 * 4)  # N = 128K tokens, Hi = 4
 LOSS_SCALE = 2.0 ** 16  # what an fp16 loss scaler multiplies the loss by

@@ -15,7 +15,7 @@ import torch
 
 from msa_megatron import reference as ref
 from msa_megatron.layout import query_layout
-from tests.conftest import assert_close, make_inputs
+from tests.support.inputs import assert_close, make_inputs
 from tests.support.spec_loop import spec_attention, spec_kl, spec_select
 
 TOL = 1e-10  # both sides are float64

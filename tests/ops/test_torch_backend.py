@@ -15,7 +15,7 @@ from msa_megatron import msa_attention, select_blocks
 from msa_megatron import reference as ref
 from msa_megatron.ops import torch_backend
 from msa_megatron.layout import query_layout
-from tests.conftest import (
+from tests.support.inputs import (
     TOLERANCES,
     assert_close,
     assert_selection_equal,

@@ -16,9 +16,9 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from msa_megatron import reference as ref  # noqa: E402
-from msa_megatron.ops.api import msa_attention  # noqa: E402
+from msa_megatron.api import msa_attention  # noqa: E402
 from msa_megatron.layout import query_layout  # noqa: E402
-from tests.conftest import assert_selection_equal, check_selection_structure, rel_err  # noqa: E402
+from tests.support.inputs import assert_selection_equal, check_selection_structure, rel_err  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # Relative error bars (norm of the difference over the norm of the fp64 oracle).
@@ -96,7 +96,7 @@ def _randn(*shape, dtype):
 
 
 def _assert_selection_equal_general(got, want, q_idx, k_idx, q_pos, q_kbase, block_size):
-    """:func:`tests.conftest.assert_selection_equal` for a general query layout (no
+    """:func:`tests.support.inputs.assert_selection_equal` for a general query layout (no
     ``cu_seqlens``): equal except near-ties, where each chosen block's oracle score must be >=
     the oracle's worst chosen score minus TIE_TOL, with the same count."""
     assert got.shape == want.shape and got.dtype == torch.int32

@@ -12,7 +12,7 @@ import torch
 
 from msa_megatron import MSAConfig, msa_attention, select_blocks
 from msa_megatron.ops.backends import get_backend
-from tests.conftest import make_inputs
+from tests.support.inputs import make_inputs
 
 BACKEND_NAMES = ["reference", "torch", "triton", None]
 

@@ -30,8 +30,3 @@ def count_selections(backend: str) -> Iterator[Dict[str, int]]:
         yield counts
     finally:
         module.select = original
-
-
-def reset(counts: Dict[str, int]) -> None:
-    """Zero a :func:`count_selections` dict in place."""
-    counts.update(calls=0, rows=0)

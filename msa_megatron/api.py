@@ -7,8 +7,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import torch_backend  # noqa: F401  imported here so torch.compile never has to import it
-from .. import core
+from . import core
+from .ops import torch_backend  # noqa: F401  imported here so torch.compile never has to import it
 
 
 def select_blocks(

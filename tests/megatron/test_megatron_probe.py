@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.megatron.gpt_harness import Setup, batch, build_model
+from tests.support.gpt_harness import Setup, batch, build_model
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ from msa_megatron.diagnostics import (
     selection_recall,
 )
 from msa_megatron.reference import select_blocks_reference
-from tests.conftest import make_inputs
+from tests.support.inputs import make_inputs
 
 
 def _recall_oracle(inp, rows, block_size, top_k, backend_sel):

@@ -11,17 +11,24 @@ import torch
 import torch.distributed as dist
 
 from msa_megatron.parallel import comm
-from tests.dist_utils import run_distributed
+from tests.dist_utils import run_distributed, selected_device
 from tests.support.devices import skip_without_gpus
 
 WORLD = 3  # odd, so token slices are uneven
+
+
+def _device() -> torch.device:
+    """This rank's device: its GPU under NCCL (``MSA_TEST_DEVICE=cuda``), else the CPU."""
+    if selected_device() == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _global(total: int, heads: int) -> torch.Tensor:
     """``[total, heads, 2]`` with entries naming (token, head): the same on every rank."""
     t = torch.arange(total, dtype=torch.float64)[:, None, None]
     h = torch.arange(heads, dtype=torch.float64)[None, :, None]
-    return torch.cat([t.expand(total, heads, 1), h.expand(total, heads, 1)], dim=2)
+    return torch.cat([t.expand(total, heads, 1), h.expand(total, heads, 1)], dim=2).to(_device())
 
 
 def _heads_to_tokens_worker(rank: int, world_size: int, total: int) -> dict:
@@ -30,17 +37,17 @@ def _heads_to_tokens_worker(rank: int, world_size: int, total: int) -> dict:
     mine = full[:, 2 * rank:2 * rank + 2].contiguous()  # this rank's 2 heads, all tokens
     slices = comm.token_slices(total, world_size)
     start, end = slices[rank]
-    out = {"want": full[start:end]}
+    out = {"want": full[start:end].cpu()}
     comm._ALL_TO_ALL_SUPPORTED.clear()
-    out["native"] = comm.heads_to_tokens(mine, slices, group)
+    out["native"] = comm.heads_to_tokens(mine, slices, group).cpu()
     out["native_supported"] = dict(comm._ALL_TO_ALL_SUPPORTED)
     # A backend without the list all-to-all (gloo of torch 2.11): the fallback is used, and
     # remembered for the next call.
     comm._ALL_TO_ALL_SUPPORTED.clear()
     missing = RuntimeError("Backend gloo does not support alltoall")
     with mock.patch.object(dist, "all_to_all", side_effect=missing) as native:
-        out["fallback"] = comm.heads_to_tokens(mine, slices, group)
-        out["fallback_again"] = comm.heads_to_tokens(mine, slices, group)
+        out["fallback"] = comm.heads_to_tokens(mine, slices, group).cpu()
+        out["fallback_again"] = comm.heads_to_tokens(mine, slices, group).cpu()
         out["native_calls"] = native.call_count
     out["fallback_supported"] = dict(comm._ALL_TO_ALL_SUPPORTED)
     # Any other error is not mistaken for a missing collective.
@@ -70,19 +77,21 @@ def test_heads_to_tokens_native_and_fallback(total):
 
 
 def _gather_worker(rank: int, world_size: int) -> dict:
-    group = dist.group.WORLD
+    group, device = dist.group.WORLD, _device()
     slices = comm.token_slices(8, world_size)  # 3, 3, 2
     start, end = slices[rank]
-    rows = comm.all_gather_rows(torch.arange(start, end, dtype=torch.int32), slices, group)
-    first = comm.all_gather_first_dim(torch.full((2, 1), float(rank)), group)
+    rows = comm.all_gather_rows(torch.arange(start, end, dtype=torch.int32, device=device),
+                                slices, group)
+    first = comm.all_gather_first_dim(torch.full((2, 1), float(rank), device=device), group)
     # gather_last_dim: every rank uses the whole gathered tensor; each gets the summed gradient
     # of its own slice.
-    x = torch.full((2, 3), float(rank + 1), requires_grad=True)
+    x = torch.full((2, 3), float(rank + 1), device=device, requires_grad=True)
     gathered = comm.gather_last_dim(x, group)
-    weights = torch.arange(gathered.numel(), dtype=torch.float32).view_as(gathered)
+    weights = torch.arange(gathered.numel(), dtype=torch.float32,
+                           device=device).view_as(gathered)
     (gathered * weights * (rank + 1)).sum().backward()
     # register_grad_sum: a replicated tensor gets the gradient summed over the ranks.
-    w = torch.ones(2, requires_grad=True)
+    w = torch.ones(2, device=device, requires_grad=True)
     comm.register_grad_sum(w, group)
     (w * (rank + 1)).sum().backward()
     return {"rows": rows, "first": first, "gathered": gathered.detach(), "x_grad": x.grad,

@@ -44,6 +44,9 @@ def add_msa_arguments(parser: argparse.ArgumentParser, *, prefix: str = "msa",
                       warmup: bool = True) -> argparse.ArgumentParser:
     """Add one argument group with a flag per :data:`MSA_FLAG_FIELDS` field.
 
+    Flags the parser already defines (e.g. megatron.training patched with
+    ``patches/0001-msa-arguments.patch``) are not added again.
+
     Args:
         parser: the parser to extend (returned, for Megatron-LM's ``extra_args_provider``).
         prefix: flag prefix: ``"msa"`` gives ``--msa-block-size`` (attribute
@@ -55,8 +58,15 @@ def add_msa_arguments(parser: argparse.ArgumentParser, *, prefix: str = "msa",
         ``parser``.
     """
     defaults = defaults or MSAConfig()
+    present = {option for action in parser._actions for option in action.option_strings}
+    wanted = [field for field in MSA_FLAG_FIELDS if _flag(prefix, field) not in present]
+    if warmup and _flag(prefix, WARMUP_FIELD) in present:
+        warmup = False
+    if not wanted and not warmup:
+        return parser
     group = parser.add_argument_group(title="MiniMax Sparse Attention (msa-megatron)")
-    for field, (kind, choices, text) in MSA_FLAG_FIELDS.items():
+    for field in wanted:
+        kind, choices, text = MSA_FLAG_FIELDS[field]
         group.add_argument(_flag(prefix, field), dest=_dest(prefix, field), type=kind,
                            choices=choices, default=getattr(defaults, field),
                            help=f"MSA: {text}")
@@ -72,7 +82,8 @@ def msa_config_from_args(args: argparse.Namespace, *, prefix: str = "msa",
     """The :class:`MSAConfig` of the flags of :func:`add_msa_arguments`.
 
     Args:
-        args: parsed arguments; fields whose attribute is missing keep MSAConfig's default.
+        args: parsed arguments; fields whose attribute is missing or None keep MSAConfig's
+            default (a parser may leave unset flags at None).
         prefix: as given to :func:`add_msa_arguments`.
         mode: ``"sparse"`` / ``"dense"``; None: dense when ``<prefix>_warmup_steps > 0``.
 
@@ -80,7 +91,7 @@ def msa_config_from_args(args: argparse.Namespace, *, prefix: str = "msa",
         ValueError / TypeError: invalid values (MSAConfig's checks).
     """
     fields = {field: getattr(args, _dest(prefix, field)) for field in MSA_FLAG_FIELDS
-              if hasattr(args, _dest(prefix, field))}
+              if getattr(args, _dest(prefix, field), None) is not None}
     if mode is None:
         mode = "dense" if (getattr(args, _dest(prefix, WARMUP_FIELD), 0) or 0) > 0 else "sparse"
     return MSAConfig(mode=mode, **fields)

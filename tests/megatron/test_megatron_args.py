@@ -49,6 +49,19 @@ def test_unprefixed_flags_with_other_defaults():
         defaults, top_k=6, mode="dense")
 
 
+def test_flags_left_at_none_keep_defaults_and_are_not_added_twice():
+    """A parser that already has the flags, defaulting to None (the patched megatron.training):
+    they are not added again, and None means MSAConfig's default."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--msa-top-k", type=int, default=None)
+    parser.add_argument("--msa-warmup-steps", type=int, default=0)
+    add_msa_arguments(parser)
+    args = parser.parse_args([])
+    assert args.msa_top_k is None
+    assert msa_config_from_args(args) == MSAConfig()
+    assert msa_config_from_args(parser.parse_args(["--msa-top-k", "3"])).top_k == 3
+
+
 def test_invalid_values_raise():
     with pytest.raises(SystemExit):  # argparse: a backend that does not exist
         _parse(["--msa-backend", "cuda"])

@@ -127,7 +127,8 @@ def adapt_to_installed_kernels(args: argparse.Namespace, argv: Iterable[str],
     Args:
         args: megatron's parsed arguments (``transformer_impl``, ``gradient_accumulation_fusion``,
             ``no_persist_layer_norm``, ``apply_rope_fusion``, ``masked_softmax_fusion``,
-            ``sequence_parallel``, ``tensor_model_parallel_size``, ``normalization``).
+            ``sequence_parallel``, ``tensor_model_parallel_size``, ``normalization``,
+            ``use_distributed_optimizer``, ``save``, ``load``).
         argv: the command line (to tell an explicit ``--transformer-impl`` from the default).
         kernels: :func:`installed_kernels` (computed when None).
 
@@ -165,6 +166,14 @@ def adapt_to_installed_kernels(args: argparse.Namespace, argv: Iterable[str],
     if torch_norms and args.sequence_parallel:
         args.sequence_parallel = False
         off.append("sequence parallel (torch norms)")
+    # Without TE or Apex megatron-core falls back to torch's Adam, whose (lazily created) state
+    # its distributed optimizer cannot load: resuming fails in DistribOptimizer.state_dict
+    # (`assert len(steps) == 1`, seen with 0.19.2 on GPUs). Keep checkpoints resumable.
+    checkpointing = getattr(args, "save", None) or getattr(args, "load", None)
+    if (getattr(args, "use_distributed_optimizer", False) and checkpointing
+            and not (kernels["transformer_engine"] or kernels["apex"])):
+        args.use_distributed_optimizer = False
+        off.append("distributed optimizer (torch's Adam state cannot be resumed by it)")
     return off
 
 

@@ -94,7 +94,8 @@ def test_no_duplicate_flags_on_a_patched_parser():
 def _megatron_args(**overrides) -> argparse.Namespace:
     values = dict(transformer_impl="transformer_engine", gradient_accumulation_fusion=True,
                   no_persist_layer_norm=False, apply_rope_fusion=True, masked_softmax_fusion=True,
-                  sequence_parallel=True, tensor_model_parallel_size=2, normalization="RMSNorm")
+                  sequence_parallel=True, tensor_model_parallel_size=2, normalization="RMSNorm",
+                  use_distributed_optimizer=True, save="/ckpt", load="/ckpt")
     values.update(overrides)
     return argparse.Namespace(**values)
 
@@ -106,7 +107,8 @@ def test_adapts_without_te_and_apex():
     assert not args.gradient_accumulation_fusion and args.no_persist_layer_norm
     assert not args.apply_rope_fusion and not args.masked_softmax_fusion
     assert not args.sequence_parallel
-    assert len(off) == 6
+    assert not args.use_distributed_optimizer  # torch Adam: megatron cannot resume it
+    assert len(off) == 7
     line = setup.notice(NO_KERNELS, off)
     assert "\n" not in line and "Transformer Engine, Apex not installed" in line
     assert "gradient accumulation fusion" in line and "sequence parallel" in line
@@ -130,6 +132,12 @@ def test_apex_without_te_keeps_apex_features():
     rms = _megatron_args()
     setup.adapt_to_installed_kernels(rms, [], kernels)
     assert not rms.sequence_parallel
+
+
+def test_distributed_optimizer_kept_without_checkpoints():
+    args = _megatron_args(save=None, load=None)
+    off = setup.adapt_to_installed_kernels(args, [], NO_KERNELS)
+    assert args.use_distributed_optimizer and len(off) == 6
 
 
 def test_explicit_te_without_te_is_an_error():

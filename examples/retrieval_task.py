@@ -112,9 +112,11 @@ def make_sequence(spec: RetrievalSpec, filler: Iterator[int], rng: random.Random
 
 
 def scaled(spec: RetrievalSpec, length: int) -> RetrievalSpec:
-    """The task at a shorter ``length``: records, questions and distance in proportion."""
+    """The task at a shorter ``length``: distance in proportion, records and questions in
+    proportion too but at least one question per 16 tokens (up to ``spec.queries``), so that
+    short sequences, where attention starts less diluted, carry many answers."""
     ratio = length / spec.length
-    queries = max(1, round(spec.queries * ratio))
+    queries = max(1, round(spec.queries * ratio), min(length // 16, spec.queries))
     short = RetrievalSpec(length=length, pairs=max(queries, round(spec.pairs * ratio)),
                           queries=queries, min_distance=round(spec.min_distance * ratio),
                           key_vocab=spec.key_vocab, value_vocab=spec.value_vocab,

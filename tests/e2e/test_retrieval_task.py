@@ -87,3 +87,22 @@ def test_example_runs_retrieval_task_on_cpu(tmp_path):
         assert run["probe_steps"] == [1, 2, 3, 4] and run["eval_steps"] == [2, 4]
         assert all(len(v) == 2 for v in run["key_hit_per_layer"])
     assert "| msa |" in proc.stdout and "exact match" in proc.stdout
+
+
+def test_mixed_lengths_fill_the_window():
+    rng = random.Random(5)
+    for total in (512, 4096, 32768):
+        lengths = retrieval_task.mixed_lengths(total, 32, 2048, 16, rng)
+        assert sum(lengths) == total and all(n % 16 == 0 for n in lengths)
+        assert all(32 <= n for n in lengths) and all(n <= 2048 for n in lengths[:-1])
+
+
+def test_scaled_short_sequences_keep_many_questions():
+    spec = retrieval_task.RetrievalSpec(length=8192, pairs=256, queries=128, min_distance=1024,
+                                        key_vocab=512, value_vocab=32)
+    for length in (32, 64, 256, 1024, 4096, 8192):
+        short = retrieval_task.scaled(spec, length)
+        short.check()
+        assert short.queries >= min(length // 16, spec.queries)
+        assert short.min_distance == round(spec.min_distance * length / spec.length)
+    assert retrieval_task.scaled(spec, 8192) == spec

@@ -130,6 +130,54 @@ def support_mask(
     return causal.unsqueeze(0) & torch.gather(sel, 2, blk.unsqueeze(0).expand(Hi, -1, -1))
 
 
+def _nonfinite_rows(x: torch.Tensor) -> torch.Tensor:
+    """``[N]`` bool: row ``n`` of ``x [H, N, F]`` holds a NaN or an Inf in some head."""
+    return ~torch.isfinite(x).all(dim=2).all(dim=0)
+
+
+def _support_scores(a: torch.Tensor, b: torch.Tensor, supp: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """``scale * <a[h, p], b[h, u]>`` on the support, ``-inf`` off it (``[H, Tq, Tk]``).
+
+    ``a [H, Tq, F]``, ``b [H, Tk, F]``, ``supp [H, Tq, Tk]`` bool. Rows holding NaN/Inf enter
+    the GEMM as zeros and are added back pair by pair on the support only, with both factors
+    masked before the product: neither the value nor any gradient ever multiplies a non-finite
+    number by a zero from outside the support (MSA_SPEC section 7: affected rows only).
+    """
+    bad_a, bad_b = _nonfinite_rows(a), _nonfinite_rows(b)
+    zero = torch.zeros((), dtype=a.dtype, device=a.device)
+    s = scale * torch.matmul(a.masked_fill(bad_a[None, :, None], 0.0),
+                             b.masked_fill(bad_b[None, :, None], 0.0).transpose(1, 2))
+    if bool(bad_a.any()):
+        r = bad_a.nonzero().flatten()
+        m = supp[:, r, :, None]  # [H, R, Tk, 1]
+        exact = scale * (torch.where(m, a[:, r, None, :], zero)
+                         * torch.where(m, b[:, None, :, :], zero)).sum(dim=3)
+        s = s.index_copy(1, r, torch.where(supp[:, r], exact, s.index_select(1, r)))
+    if bool(bad_b.any()):
+        c = bad_b.nonzero().flatten()
+        m = supp[:, :, c, None]  # [H, Tq, C, 1]
+        exact = scale * (torch.where(m, a[:, :, None, :], zero)
+                         * torch.where(m, b[:, None, c, :], zero)).sum(dim=3)
+        s = s.index_copy(2, c, torch.where(supp[:, :, c], exact, s.index_select(2, c)))
+    return s.masked_fill(~supp, float("-inf"))
+
+
+def _support_matmul(p: torch.Tensor, v: torch.Tensor, supp: torch.Tensor) -> torch.Tensor:
+    """``p @ v`` for ``p [H, Tq, Tk]`` that is exactly 0 off ``supp``, ``v [H, Tk, D]``: rows of
+    ``v`` holding NaN/Inf are added pair by pair on the support only (no ``0 * NaN``, in the
+    value or in a gradient)."""
+    bad = _nonfinite_rows(v)
+    out = torch.matmul(p, v.masked_fill(bad[None, :, None], 0.0))
+    if bool(bad.any()):
+        c = bad.nonzero().flatten()
+        m = supp[:, :, c, None]  # [H, Tq, C, 1]
+        zero = torch.zeros((), dtype=p.dtype, device=p.device)
+        out = out + (torch.where(m, p[:, :, c, None], zero)
+                     * torch.where(m, v[:, None, c, :], zero)).sum(dim=2)
+    return out
+
+
 def attention_core_reference(
     q, k, v, block_idx, q_pos, q_kbase, *, block_size: int, softmax_scale: Optional[float] = None,
     index_heads: Optional[int] = None,
@@ -153,22 +201,10 @@ def attention_core_reference(
     qh = q.to(acc).transpose(0, 1)
     kh = k.to(acc).transpose(0, 1).repeat_interleave(Hq // Hkv, dim=0)
     vh = v.to(acc).transpose(0, 1).repeat_interleave(Hq // Hkv, dim=0)
-    logits = (scale * torch.matmul(qh, kh.transpose(1, 2))).masked_fill(~supp, float("-inf"))
+    logits = _support_scores(qh, kh, supp, scale)
     lse = torch.logsumexp(logits, dim=2)  # [Hq, Tq]
-    p = torch.exp(logits - lse.unsqueeze(2))
-    out = torch.matmul(p, vh)
-    bad = ~torch.isfinite(vh)
-    if bool(bad.any()):
-        # A GEMM would multiply non-finite values by the zero probabilities outside the support
-        # and leak NaN into rows that never read them (MSA_SPEC section 7): add the non-finite
-        # entries of V only where they are in the support.
-        out = torch.matmul(p, vh.masked_fill(bad, 0.0))
-        cols = bad.any(dim=2).any(dim=0).nonzero().flatten()
-        v_bad = vh[:, cols].masked_fill(~bad[:, cols], 0.0)  # [Hq, C, D]
-        p_bad = p[:, :, cols].unsqueeze(3)  # [Hq, Tq, C, 1]
-        term = torch.where(supp[:, :, cols].unsqueeze(3), p_bad * v_bad.unsqueeze(1),
-                           torch.zeros((), dtype=p.dtype))
-        out = out + term.sum(dim=2)
+    p = torch.where(supp, torch.exp(logits - lse.unsqueeze(2)), logits.new_zeros(()))
+    out = _support_matmul(p, vh, supp)
     out = out.transpose(0, 1).to(q.dtype)
     return out, lse.transpose(0, 1).contiguous()
 
@@ -195,15 +231,37 @@ def kl_core_reference(
         kh = k.detach().to(acc).transpose(0, 1).repeat_interleave(Hq // Hkv, dim=0)
         logits = scale * torch.matmul(qh, kh.transpose(1, 2))
         logits = logits.masked_fill(~supp.repeat_interleave(Hq // Hi, dim=0), float("-inf"))
-        p = torch.softmax(logits, dim=2)
+        p = torch.exp(logits - torch.logsumexp(logits, dim=2, keepdim=True))
         teacher = p.reshape(Hi, Hq // Hi, Tq, k.shape[0]).mean(dim=1)  # [Hi, Tq, Tk]
         # 0 log 0 = 0; a NaN teacher (non-finite inputs in the row's support) stays NaN.
         log_teacher = torch.where(teacher == 0, torch.zeros_like(teacher), torch.log(teacher))
-    z = index_scores(q_idx, k_idx, index_scale).masked_fill(~supp, float("-inf"))
-    log_qs = z - torch.logsumexp(z, dim=2, keepdim=True)
-    log_qs = torch.where(supp, log_qs, torch.zeros_like(log_qs))
-    kl = torch.where(teacher == 0, torch.zeros_like(teacher), teacher * (log_teacher - log_qs))
-    return kl.sum() * kl_scale
+    Hik, Di = k_idx.shape[1], q_idx.shape[2]
+    qi = q_idx.to(acc).transpose(0, 1)
+    ki = k_idx.to(acc).transpose(0, 1).repeat_interleave(Hi // Hik, dim=0)
+    z = _support_scores(qi, ki, supp, Di ** -0.5 if index_scale is None else index_scale)
+    with torch.no_grad():
+        log_qs = z - torch.logsumexp(z, dim=2, keepdim=True)
+        log_qs = torch.where(supp, log_qs, torch.zeros_like(log_qs))
+        kl = torch.where(teacher == 0, torch.zeros_like(teacher), teacher * (log_teacher - log_qs))
+        # MSA_SPEC section 4: dKL/dz = Qs - T on the support. (Autograd of the value would give
+        # Qs * sum(T) - T, the same number when T sums to 1, but NaN on the whole row as soon as
+        # one teacher entry is NaN, where the kernels give NaN on that entry only.)
+        dz = torch.where(supp, torch.exp(log_qs) - teacher, torch.zeros_like(teacher))
+    return _WithGradient.apply(kl.sum() * kl_scale, z, dz * kl_scale)
+
+
+class _WithGradient(torch.autograd.Function):
+    """``value`` (a 0-dim tensor) whose gradient with respect to ``x`` is ``grad_x``."""
+
+    @staticmethod
+    def forward(ctx, value, x, grad_x):  # noqa: D102
+        ctx.save_for_backward(grad_x)
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        (grad_x,) = ctx.saved_tensors
+        return None, grad * grad_x, None
 
 
 def select_blocks_reference(

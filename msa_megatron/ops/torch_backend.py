@@ -253,6 +253,13 @@ def _all_finite(*tensors: torch.Tensor) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
+def _exp_normalised(s: torch.Tensor) -> torch.Tensor:
+    """``exp(s - logsumexp(s))`` over the last dim, entry by entry as the oracle and the
+    kernels do (with an Inf score, ``torch.softmax`` makes the whole row NaN; this keeps 0
+    where ``s = -inf``)."""
+    return torch.exp(s - torch.logsumexp(s, dim=-1, keepdim=True))
+
+
 def _own_support(ch: _Chunk, sup: _Support, heads: int, kv_heads: int, index_heads: int):
     """Yield ``(token, query-head slice, KV group, key rows)`` for every (query, index head) of
     the chunk, the key rows being that row's own support only."""
@@ -281,13 +288,39 @@ def _isolated_backward(dout, q, k, v, out, ch, sup, softmax_scale, index_heads, 
     for t, heads, g, rows in _own_support(ch, sup, q.shape[1], k.shape[1], index_heads):
         qs = q[t, heads].to(acc) * softmax_scale
         kk, vv = k[rows, g].to(acc), v[rows, g].to(acc)
-        p = torch.softmax(qs @ kk.T, dim=-1)
+        p = _exp_normalised(qs @ kk.T)
         do = dout[t, heads].to(acc)
         delta = (do * out[t, heads].to(acc)).sum(dim=-1, keepdim=True)
         ds = p * (do @ vv.T - delta)
         dq[t, heads] = (ds @ kk * softmax_scale).to(dq.dtype)
         dk[rows, g] += ds.T @ qs
         dv[rows, g] += p.T @ do
+
+
+def _isolated_kl(q, k, q_idx, k_idx, ch, sup, softmax_scale, index_scale, kl_scale, acc,
+                 dq_idx, dk_idx) -> torch.Tensor:
+    """KL of a chunk whose inputs hold NaN/Inf, one (query, index head) at a time over its own
+    support, in the oracle's formulation (a NaN teacher or student makes the KL NaN); adds
+    that row's gradients to ``dq_idx`` / ``dk_idx`` (unscaled by ``kl_scale`` for dk_idx, as
+    the chunked path) unless they are None. Returns the chunk's KL sum."""
+    Hq, Hkv, Hi, Hik = q.shape[1], k.shape[1], q_idx.shape[1], k_idx.shape[1]
+    total = torch.zeros((), dtype=acc, device=q.device)
+    for t, heads, g, rows in _own_support(ch, sup, Hq, Hkv, Hi):
+        i = heads.start // (Hq // Hi)
+        j = i // (Hi // Hik)
+        s = (q[t, heads].to(acc) * softmax_scale) @ k[rows, g].to(acc).T
+        teacher = _exp_normalised(s).mean(dim=0)  # [W]
+        qi = q_idx[t, i].to(acc) * index_scale
+        ki = k_idx[rows, j].to(acc)
+        z = ki @ qi
+        log_qs = z - torch.logsumexp(z, dim=0)
+        kept = teacher != 0  # 0 log 0 = 0; NaN is kept
+        total += torch.where(kept, teacher * (torch.log(teacher) - log_qs), 0.0).sum()
+        if dq_idx is not None:
+            dz = torch.exp(log_qs) - teacher
+            dq_idx[t, i] = dz @ ki * (kl_scale * index_scale)
+            dk_idx[rows, j] += dz[:, None] * qi[None, :]
+    return total
 
 
 def attention_forward_kernel(
@@ -411,18 +444,25 @@ def kl_kernel(
             continue
         C, W = ch.stop - ch.start, sup.rows.numel()
         rows = slice(ch.start, ch.stop)
+        kc, ki = _gather_rows(k, sup.rows, acc), _gather_rows(k_idx, sup.rows, acc)
+        if not _all_finite(q[rows], q_idx[rows], kc, ki):
+            total += _isolated_kl(q, k, q_idx, k_idx, ch, sup, softmax_scale, index_scale,
+                                  kl_scale, acc, dq_idx if compute_grad else None,
+                                  dk_idx if compute_grad else None)
+            continue
         qs = _group_major(q[rows].to(acc) * softmax_scale, Hkv)
-        p, _ = _main_probabilities(qs, _gather_rows(k, sup.rows, acc), sup.bias, Hq)
+        p, _ = _main_probabilities(qs, kc, sup.bias, Hq)
         teacher = p.view(Hkv, C, -1, Hq // Hi, W).mean(dim=3).transpose(0, 1).reshape(C, Hi, W)
         qi = _group_major(q_idx[rows].to(acc) * index_scale, Hik)
-        ki = _gather_rows(k_idx, sup.rows, acc)
         z = _token_major(torch.bmm(qi, ki.transpose(1, 2)), C)
-        student, m = _support_softmax(z + sup.bias)
-        lse_z = _row_lse(student, m, 0.0)  # an empty row has teacher mass 0: no contribution
-        entropy_term = torch.dot(teacher.flatten(), torch.log(teacher + tiny).flatten())
-        cross_term = torch.dot(teacher.flatten(), z.flatten())
-        cross_term -= torch.dot(teacher.sum(dim=-1).flatten(), lse_z.flatten())
-        total += entropy_term - cross_term
+        student, _ = _support_softmax(z + sup.bias)
+        # The oracle's formulation: log Qs = z - logsumexp(z) per key, then T (log T - log Qs)
+        # summed; never sum(T z) - lse_z sum(T), which cancels at large |z| (|z| ~ 7000 loses
+        # four digits in fp32). An empty row has teacher mass 0: no contribution.
+        lse_z = torch.logsumexp(z + sup.bias, dim=-1, keepdim=True)
+        log_qs = z - torch.where(lse_z < _masked_value(acc) / 2, 0.0, lse_z)
+        terms = teacher * (torch.log(teacher + tiny) - log_qs)
+        total += torch.where(teacher > 0, terms, 0.0).sum()
         if compute_grad:
             dz = _group_major(student.sub_(teacher), Hik)
             dq_idx[rows] = _token_major(torch.bmm(dz, ki).mul_(kl_scale * index_scale), C)

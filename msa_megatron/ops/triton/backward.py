@@ -23,6 +23,7 @@ from ._common import (
     DENSE_KEY_TILE, GATHER_ROWS, KEY_SUBTILE, PARTIAL_BYTES, dot_flags, mma,
     persistent_programs, query_chunks, support_mask,
 )
+from ._isolation import nonfinite, support_mma
 from .forward import combine_rows, pair_rows, query_rows, query_tiling, warps_for
 from .reverse_index import build_reverse_index, query_tile_ranges
 
@@ -70,9 +71,10 @@ def _attn_bwd_dq_dense_kernel(
         kt = tl.load(k_ptr + off, mask=kmask[:, None], other=0.0)
         vt = tl.load(v_ptr + off, mask=kmask[:, None], other=0.0)
         s = mma(q, tl.trans(kt), UPCAST, IEEE) * scale
-        p = tl.where(support_mask(krow, kmask, kbase, pos, valid), tl.exp(s - lse[:, None]), 0.0)
-        ds = p * (mma(do, tl.trans(vt), UPCAST, IEEE) - delta[:, None])
-        dq += mma(ds.to(kt.dtype), kt, UPCAST, IEEE)
+        inside = support_mask(krow, kmask, kbase, pos, valid)
+        p = tl.where(inside, tl.exp(s - lse[:, None]), 0.0)
+        ds = tl.where(inside, p * (mma(do, tl.trans(vt), UPCAST, IEEE) - delta[:, None]), 0.0)
+        dq += support_mma(ds.to(kt.dtype), kt, nonfinite(kt), inside, UPCAST, IEEE)
     tl.store(dq_ptr + q_off, (dq * scale).to(dq_ptr.dtype.element_ty), mask=valid[:, None])
 
 
@@ -81,7 +83,8 @@ def _kv_rows_step(dk, dv, kt, vt, krow, kmask, t, h, valid, q_ptr, do_ptr, lse_p
                   qpos_ptr, qkb_ptr, s_qt, s_qh, s_lt, scale,
                   D: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """One tile of (token, head) rows against key rows ``krow``: adds to dK, dV; returns the
-    rows' ``dS`` (fp32, softmax scale not applied), the highest key row they reach."""
+    rows' ``dS`` (fp32, softmax scale not applied, 0 off the support), the support mask and
+    the highest key row they reach."""
     pos = tl.load(qpos_ptr + t, mask=valid, other=-1)
     kbase = tl.load(qkb_ptr + t, mask=valid, other=0)
     d = tl.arange(0, D)
@@ -92,11 +95,12 @@ def _kv_rows_step(dk, dv, kt, vt, krow, kmask, t, h, valid, q_ptr, do_ptr, lse_p
     lse = tl.load(lse_ptr + l_off, mask=valid, other=float("inf"))
     delta = tl.load(delta_ptr + l_off, mask=valid, other=0.0)
     s = mma(q, tl.trans(kt), UPCAST, IEEE) * scale
-    p = tl.where(support_mask(krow, kmask, kbase, pos, valid), tl.exp(s - lse[:, None]), 0.0)
-    dv += mma(tl.trans(p.to(do.dtype)), do, UPCAST, IEEE)
-    ds = p * (mma(do, tl.trans(vt), UPCAST, IEEE) - delta[:, None])
-    dk += mma(tl.trans(ds.to(q.dtype)), q, UPCAST, IEEE)
-    return dk, dv, ds, tl.max(tl.where(valid, kbase + pos, -1))
+    inside = support_mask(krow, kmask, kbase, pos, valid)
+    p = tl.where(inside, tl.exp(s - lse[:, None]), 0.0)
+    dv += support_mma(tl.trans(p.to(do.dtype)), do, nonfinite(do), tl.trans(inside), UPCAST, IEEE)
+    ds = tl.where(inside, p * (mma(do, tl.trans(vt), UPCAST, IEEE) - delta[:, None]), 0.0)
+    dk += support_mma(tl.trans(ds.to(q.dtype)), q, nonfinite(q), tl.trans(inside), UPCAST, IEEE)
+    return dk, dv, ds, inside, tl.max(tl.where(valid, kbase + pos, -1))
 
 
 @triton.jit
@@ -124,16 +128,18 @@ def _attn_bwd_blocks_kernel(
         off = krow.to(tl.int64)[:, None] * s_kt + g * s_kh + d[None, :]
         kt = tl.load(k_ptr + off, mask=kmask[:, None], other=0.0)
         vt = tl.load(v_ptr + off, mask=kmask[:, None], other=0.0)
+        k_bad = nonfinite(kt)
         dk = tl.zeros([KS, D], tl.float32)
         dv = tl.zeros([KS, D], tl.float32)
         reach = -1
         for p0 in range(lo, hi, TOK):
             flat, t, i, hl, valid = pair_rows(pair_ptr, p0, hi, t0, HI, TOPK, HPI, HR, TOK)
-            dk, dv, ds, rr = _kv_rows_step(dk, dv, kt, vt, krow, kmask, t, i * HPI + hl, valid,
-                                           q_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, qkb_ptr,
-                                           s_qt, s_qh, s_lt, scale, D, UPCAST, IEEE)
+            dk, dv, ds, inside, rr = _kv_rows_step(dk, dv, kt, vt, krow, kmask, t, i * HPI + hl,
+                                                   valid, q_ptr, do_ptr, lse_ptr, delta_ptr,
+                                                   qpos_ptr, qkb_ptr, s_qt, s_qh, s_lt, scale, D,
+                                                   UPCAST, IEEE)
             reach = tl.maximum(reach, rr)
-            dq = mma(ds.to(kt.dtype), kt, UPCAST, IEEE) * scale
+            dq = support_mma(ds.to(kt.dtype), kt, k_bad, inside, UPCAST, IEEE) * scale
             prow = (flat.to(tl.int64) * NSUB + w % NSUB) * HPI + hl
             tl.store(pdq_ptr + prow[:, None] * D + d[None, :], dq.to(pdq_ptr.dtype.element_ty),
                      mask=valid[:, None])
@@ -169,10 +175,10 @@ def _attn_bwd_dkdv_dense_kernel(
     for ii in range(IPG):
         for a in range(a_lo, a_hi):
             t = a * TOK + r // HR
-            dk, dv, _, _ = _kv_rows_step(dk, dv, kt, vt, krow, kmask, t,
-                                         (g * IPG + ii) * HPI + hl, (t < Tq) & (hl < HPI),
-                                         q_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, qkb_ptr,
-                                         s_qt, s_qh, s_lt, scale, D, UPCAST, IEEE)
+            dk, dv, _, _, _ = _kv_rows_step(dk, dv, kt, vt, krow, kmask, t,
+                                            (g * IPG + ii) * HPI + hl, (t < Tq) & (hl < HPI),
+                                            q_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr,
+                                            qkb_ptr, s_qt, s_qh, s_lt, scale, D, UPCAST, IEEE)
     tl.store(dk_ptr + off, (dk * scale).to(dk_ptr.dtype.element_ty), mask=kmask[:, None])
     tl.store(dv_ptr + off, dv.to(dv_ptr.dtype.element_ty), mask=kmask[:, None])
 

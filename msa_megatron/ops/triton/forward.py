@@ -24,6 +24,7 @@ from ._common import (
     DENSE_KEY_TILE, DENSE_ROWS, GATHER_ROWS, PARTIAL_BYTES, dot_flags, mma, next_pow2,
     persistent_programs, query_chunks, support_mask,
 )
+from ._isolation import log_sum_exp, nonfinite, support_mma
 from .reverse_index import build_reverse_index
 
 
@@ -67,7 +68,8 @@ def _fwd_step(q, m, l, acc, k_ptr, v_ptr, krow, kmask, inside, g, s_kt, s_kh, sc
     alpha = tl.exp(m - m_use)
     p = tl.exp(s - m_use[:, None])
     l = l * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + mma(p.to(vt.dtype), vt, UPCAST, IEEE)
+    acc = acc * alpha[:, None] + support_mma(p.to(vt.dtype), vt, nonfinite(vt), inside, UPCAST,
+                                             IEEE)
     return m_new, l, acc
 
 
@@ -98,10 +100,10 @@ def _attn_fwd_dense_kernel(
         inside = support_mask(krow, kmask, kbase, pos, valid)
         m, l, acc = _fwd_step(q, m, l, acc, k_ptr, v_ptr, krow, kmask, inside, i // IPG,
                               s_kt, s_kh, scale, D, UPCAST, IEEE)
-    l_safe = tl.where(l > 0, l, 1.0)
+    l_safe = tl.where(l == 0, 1.0, l)  # NaN stays NaN
     tl.store(o_ptr + q_off, (acc / l_safe[:, None]).to(o_ptr.dtype.element_ty),
              mask=valid[:, None])
-    tl.store(lse_ptr + t.to(tl.int64) * s_lt + h, m + tl.log(l_safe), mask=valid)
+    tl.store(lse_ptr + t.to(tl.int64) * s_lt + h, log_sum_exp(m, l), mask=valid)
 
 
 @triton.jit
@@ -131,6 +133,7 @@ def _attn_fwd_blocks_kernel(
         off = krow.to(tl.int64)[:, None] * s_kt + g * s_kh + d[None, :]
         kt = tl.load(k_ptr + off, mask=kmask[:, None], other=0.0)
         vt = tl.load(v_ptr + off, mask=kmask[:, None], other=0.0)
+        v_bad = nonfinite(vt)
         for p0 in range(lo, hi, TOK):
             flat, t, i, hl, valid = pair_rows(pair_ptr, p0, hi, t0, HI, TOPK, HPI, HR, TOK)
             pos = tl.load(qpos_ptr + t, mask=valid, other=-1)
@@ -138,17 +141,19 @@ def _attn_fwd_blocks_kernel(
             q = tl.load(q_ptr + t.to(tl.int64)[:, None] * s_qt + (i * HPI + hl)[:, None] * s_qh
                         + d[None, :], mask=valid[:, None], other=0.0)
             s = mma(q, tl.trans(kt), UPCAST, IEEE) * scale
-            s = tl.where(support_mask(krow, kmask, kbase, pos, valid), s, float("-inf"))
+            inside = support_mask(krow, kmask, kbase, pos, valid)
+            s = tl.where(inside, s, float("-inf"))
             m = tl.max(s, axis=1)
             m = tl.where(m == float("-inf"), 0.0, m)
             p = tl.exp(s - m[:, None])
             l = tl.sum(p, axis=1)
-            l = tl.where(l > 0, l, 1.0)
-            o = mma(p.to(vt.dtype), vt, UPCAST, IEEE) / l[:, None]
+            lse = log_sum_exp(m, l)
+            l = tl.where(l == 0, 1.0, l)  # NaN stays NaN
+            o = support_mma(p.to(vt.dtype), vt, v_bad, inside, UPCAST, IEEE) / l[:, None]
             prow = flat.to(tl.int64) * HPI + hl
             tl.store(po_ptr + prow[:, None] * D + d[None, :], o.to(po_ptr.dtype.element_ty),
                      mask=valid[:, None])
-            tl.store(plse_ptr + prow, m + tl.log(l), mask=valid)
+            tl.store(plse_ptr + prow, lse, mask=valid)
 
 
 @triton.jit
@@ -181,7 +186,7 @@ def combine_rows(part_ptr, plse_ptr, bidx_ptr, qpos_ptr, tile, i, t0, Tc, s_bt, 
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
             l = l * tl.exp(m - m_use) + tl.exp(lb - m_use)
             m = m_new
-        lse = tl.where(valid, m + tl.log(tl.where(l > 0, l, 1.0)), 0.0)
+        lse = tl.where(valid, log_sum_exp(m, l), 0.0)
     acc = tl.zeros([R, D], tl.float32)
     for s in range(TOPK * NSUB):
         blk = tl.load(bidx_ptr + t.to(tl.int64) * s_bt + i * s_bh + s // NSUB, mask=valid,

@@ -33,6 +33,7 @@ from ._common import (
     DENSE_KEY_TILE, DENSE_ROWS, GATHER_ROWS, KEY_SUBTILE, KL_ROWS, PARTIAL_BYTES, dot_flags,
     mma, persistent_programs, query_chunks, support_mask, token_mean,
 )
+from ._isolation import log_sum_exp, nonfinite, support_mma
 from .backward import sum_partials_kernel
 from .forward import pair_rows, query_rows, query_tiling, warps_for
 from .reverse_index import build_reverse_index, query_tile_ranges
@@ -47,9 +48,11 @@ def _kl_tile(kt, kit, krow, kmask, t, i, hl, valid, q_ptr, lse_ptr, qi_ptr, lsez
              qkb_ptr, s_qt, s_qh, s_lt, s_it, s_ih, s_zt, scale, iscale,
              HPI: tl.constexpr, HR: tl.constexpr, TOK: tl.constexpr, D: tl.constexpr,
              DI: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """Rows (token x head) against one key tile: ``(dz * _DZ_SCALE, kl, q_idx rows, reach)``.
+    """Rows (token x head) against one key tile: ``(dz * _DZ_SCALE, kl, q_idx rows, on,
+    reach)``; ``on [R, N]`` is the support on first head rows.
 
-    ``dz`` and ``kl`` (per row, summed over the tile) are nonzero on first head rows only.
+    ``dz`` and ``kl`` (per row, summed over the tile) are nonzero on first head rows only; a
+    NaN teacher is kept (it makes the KL NaN, as in the oracle), ``0 log 0 = 0``.
     """
     pos = tl.load(qpos_ptr + t, mask=valid, other=-1)
     kbase = tl.load(qkb_ptr + t, mask=valid, other=0)
@@ -69,11 +72,11 @@ def _kl_tile(kt, kit, krow, kmask, t, i, hl, valid, q_ptr, lse_ptr, qi_ptr, lsez
     teacher = token_mean(p, TOK, HR, HPI)
     log_qs = mma(qi, tl.trans(kit), UPCAST, IEEE) * iscale - lse_z[:, None]
     on = inside & first[:, None]
-    has_t = on & (teacher > 0)
+    has_t = on & (teacher != 0)
     log_t = tl.log(tl.where(has_t, teacher, 1.0))
     kl = tl.sum(tl.where(has_t, teacher * (log_t - log_qs), 0.0), axis=1)
     dz = tl.where(on, tl.exp(log_qs) - teacher, 0.0) * _DZ_SCALE
-    return dz, kl, qi, tl.max(tl.where(valid, kbase + pos, -1))
+    return dz, kl, qi, on, tl.max(tl.where(valid, kbase + pos, -1))
 
 
 @triton.jit
@@ -117,7 +120,7 @@ def _kl_rows_dense_kernel(
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         lz = lz * tl.exp(mz - m_use) + tl.sum(tl.exp(z - m_use[:, None]), axis=1)
         mz = m_new
-    lse_z = tl.where(first, mz + tl.log(tl.where(lz > 0, lz, 1.0)), 0.0)
+    lse_z = tl.where(first, log_sum_exp(mz, lz), 0.0)
     tl.store(lsez_ptr + t64 * s_zt + i, lse_z, mask=first)
     # Pass 2: teacher, KL and the index-query gradient.
     kl = tl.zeros([R], tl.float32)
@@ -128,12 +131,13 @@ def _kl_rows_dense_kernel(
         k64 = krow.to(tl.int64)[:, None]
         kt = tl.load(k_ptr + k64 * s_kt + g * s_kh + d[None, :], mask=kmask[:, None], other=0.0)
         kit = tl.load(ki_ptr + k64 * s_jt + j * s_jh + di[None, :], mask=kmask[:, None], other=0.0)
-        dz, kl_tile, _, _ = _kl_tile(kt, kit, krow, kmask, t, ii, hl, valid, q_ptr, lse_ptr,
-                                     qi_ptr, lsez_ptr, qpos_ptr, qkb_ptr, s_qt, s_qh, s_lt, s_it,
-                                     s_ih, s_zt, scale, iscale, HPI, HR, TOK, D, DI, UPCAST, IEEE)
+        dz, kl_tile, _, on, _ = _kl_tile(kt, kit, krow, kmask, t, ii, hl, valid, q_ptr, lse_ptr,
+                                         qi_ptr, lsez_ptr, qpos_ptr, qkb_ptr, s_qt, s_qh, s_lt,
+                                         s_it, s_ih, s_zt, scale, iscale, HPI, HR, TOK, D, DI,
+                                         UPCAST, IEEE)
         kl += kl_tile
         if GRAD:
-            dqi += mma(dz.to(kit.dtype), kit, UPCAST, IEEE)
+            dqi += support_mma(dz.to(kit.dtype), kit, nonfinite(kit), on, UPCAST, IEEE)
     tl.store(kl_ptr + t64 * s_zt + i, kl, mask=first)
     if GRAD:
         dqi = dqi * (iscale * grad_scale / _DZ_SCALE)
@@ -172,7 +176,7 @@ def _kl_lsez_blocks_kernel(
             m = tl.max(z, axis=1)
             m = tl.where(m == float("-inf"), 0.0, m)
             l = tl.sum(tl.exp(z - m[:, None]), axis=1)
-            tl.store(plz_ptr + flat, m + tl.log(tl.where(l > 0, l, 1.0)), mask=valid)
+            tl.store(plz_ptr + flat, log_sum_exp(m, l), mask=valid)
 
 
 @triton.jit
@@ -215,17 +219,19 @@ def _kl_keys_kernel(
             kt = tl.load(k_ptr + k64 * s_kt + g * s_kh + d[None, :], mask=kmask[:, None], other=0.0)
             kit = tl.load(ki_ptr + k64 * s_jt + j * s_jh + di[None, :], mask=kmask[:, None],
                           other=0.0)
+            kit_bad = nonfinite(kit)
             dki = tl.zeros([KS, DI], tl.float32)
             reach = -1
             for p0 in range(lo, hi, TOK):
                 flat, t, i, hl, valid = pair_rows(pair_ptr, p0, hi, t0, HI, TOPK, HPI, HR, TOK)
-                dz, kl, qi, rr = _kl_tile(kt, kit, krow, kmask, t, i, hl, valid, q_ptr, lse_ptr,
-                                          qi_ptr, lsez_ptr, qpos_ptr, qkb_ptr, s_qt, s_qh, s_lt,
-                                          s_it, s_ih, s_zt, scale, iscale, HPI, HR, TOK, D, DI,
-                                          UPCAST, IEEE)
+                dz, kl, qi, on, rr = _kl_tile(kt, kit, krow, kmask, t, i, hl, valid, q_ptr,
+                                              lse_ptr, qi_ptr, lsez_ptr, qpos_ptr, qkb_ptr, s_qt,
+                                              s_qh, s_lt, s_it, s_ih, s_zt, scale, iscale, HPI,
+                                              HR, TOK, D, DI, UPCAST, IEEE)
                 reach = tl.maximum(reach, rr)
-                dki += mma(tl.trans(dz.to(qi.dtype)), qi, UPCAST, IEEE)
-                dqi = mma(dz.to(kit.dtype), kit, UPCAST, IEEE) * out_scale
+                dki += support_mma(tl.trans(dz.to(qi.dtype)), qi, nonfinite(qi), tl.trans(on),
+                                   UPCAST, IEEE)
+                dqi = support_mma(dz.to(kit.dtype), kit, kit_bad, on, UPCAST, IEEE) * out_scale
                 prow = flat.to(tl.int64) * NSUB + w % NSUB
                 first = valid & (hl == 0)
                 tl.store(pkl_ptr + prow, kl, mask=first)
@@ -251,11 +257,13 @@ def _kl_keys_kernel(
             i = unit * UNIT + ii + 0 * r
             for a in range(a_lo, a_hi):
                 t = a * TOK + r // HR
-                dz, _, qi, _ = _kl_tile(kt, kit, krow, kmask, t, i, hl, (t < Tq) & (hl < HPI),
-                                        q_ptr, lse_ptr, qi_ptr, lsez_ptr, qpos_ptr, qkb_ptr,
-                                        s_qt, s_qh, s_lt, s_it, s_ih, s_zt, scale, iscale,
-                                        HPI, HR, TOK, D, DI, UPCAST, IEEE)
-                dki += mma(tl.trans(dz.to(qi.dtype)), qi, UPCAST, IEEE)
+                dz, _, qi, on, _ = _kl_tile(kt, kit, krow, kmask, t, i, hl,
+                                            (t < Tq) & (hl < HPI), q_ptr, lse_ptr, qi_ptr,
+                                            lsez_ptr, qpos_ptr, qkb_ptr, s_qt, s_qh, s_lt, s_it,
+                                            s_ih, s_zt, scale, iscale, HPI, HR, TOK, D, DI,
+                                            UPCAST, IEEE)
+                dki += support_mma(tl.trans(dz.to(qi.dtype)), qi, nonfinite(qi), tl.trans(on),
+                                   UPCAST, IEEE)
         tl.store(part_ptr + unit.to(tl.int64) * s_pu + k64 * DI + di[None, :], dki * out_scale,
                  mask=kmask[:, None])
 

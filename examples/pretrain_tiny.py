@@ -40,7 +40,7 @@ import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -713,6 +713,20 @@ def evaluate_retrieval(model: GPTModel, windows: List[Window], args: argparse.Na
 # ----------------------------------------------------------------------------- output
 
 
+def metrics_record(args: argparse.Namespace, histories: List[History]) -> Dict:
+    """What ``metrics.json`` holds: the arguments (numbers as JSON numbers, paths as strings)
+    and every run's per-step history."""
+    return {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "runs": [vars(h) for h in histories]}
+
+
+def loss_title(histories: List[History]) -> str:
+    """Title of the training-loss panel (the "same data order" remark needs two runs)."""
+    if len(histories) > 1:
+        return "training loss, same data order for every run"
+    return f"training loss ({histories[0].name} run only)" if histories else "training loss"
+
+
 def plot(histories: List[History], path: Path, warmup_steps: int) -> None:
     """One PNG: training loss of every run, the MSA-minus-dense loss gap (when both ran) and the
     index-branch KL."""
@@ -758,10 +772,10 @@ def plot(histories: List[History], path: Path, warmup_steps: int) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     ax_loss.set_ylabel("LM loss (nats / byte)")
+    ax_loss.set_title(loss_title(histories))
     ax_kl.set_ylabel("KL(main attention || index branch)")
     ax_kl.set_yscale("log")
     ax_kl.set_title("index-branch KL per token and index head")
-    ax_loss.set_title("training loss, same data order for every run")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -782,26 +796,61 @@ def retrieval_table(histories: List[History]) -> str:
 # ----------------------------------------------------------------------------- entry point
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+# Sizes whose default depends on --quick: an explicit flag always wins over both columns.
+FULL_SIZES = dict(steps=120, warmup_steps=30, seq_len=2048, layers=4, hidden=256, ffn_hidden=704,
+                  heads=4, query_groups=2, block_size=64, top_k=8, index_head_dim=64,
+                  eval_windows=4, lr_warmup=10, log_interval=5)
+QUICK_SIZES = dict(steps=8, warmup_steps=3, seq_len=256, layers=2, hidden=128, ffn_hidden=256,
+                   heads=2, query_groups=2, block_size=16, top_k=4, index_head_dim=64,
+                   eval_windows=2, lr_warmup=2, log_interval=1)
+DEFAULT_OUT_ROOT = Path("runs/pretrain_tiny")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: ...)`` except for options whose default is None (their help says)."""
+
+    def _get_help_string(self, action):
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; sizes default to ``None`` and are filled in by :func:`parse_args`."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--steps", type=int, default=120)
-    p.add_argument("--warmup-steps", type=int, default=30,
-                   help="dense-attention steps before switching MSA to sparse")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    p.add_argument("--cp", type=int, default=1, help="context-parallel size")
-    p.add_argument("--seq-len", type=int, default=2048, help="tokens per packed window")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--ffn-hidden", type=int, default=704)
-    p.add_argument("--heads", type=int, default=4, help="query heads (head dim = hidden / heads)")
-    p.add_argument("--query-groups", type=int, default=2, help="GQA KV groups")
-    add_msa_arguments(p, prefix="", warmup=False,  # --block-size, --top-k, ... (MSAConfig)
+                                formatter_class=_HelpFormatter)
+
+    def size(flag: str, kind, help_text: str = "") -> None:
+        key = flag[2:].replace("-", "_")
+        sizes = f"default {FULL_SIZES[key]}; with --quick {QUICK_SIZES[key]}"
+        p.add_argument(flag, type=kind, default=None,
+                       help=f"{help_text} ({sizes})" if help_text else f"({sizes})")
+
+    size("--steps", int, "training steps of each run")
+    size("--warmup-steps", int, "dense-attention steps before switching MSA to sparse")
+    p.add_argument("--tp", type=int, default=None,
+                   help="tensor-parallel size (1 unless given; examples/run_tiny.sh always "
+                        "passes --tp $TP, whose own default is 2)")
+    p.add_argument("--cp", type=int, default=None,
+                   help=f"context-parallel size: 1, 2, 4 or 8, documents being padded to "
+                        f"{PAD_MULTIPLE} tokens (1 unless given; examples/run_tiny.sh always "
+                        f"passes --cp $CP, whose own default is 2)")
+    size("--seq-len", int, f"tokens per packed window, a multiple of {PAD_MULTIPLE}")
+    size("--layers", int, "transformer layers")
+    size("--hidden", int, "hidden size")
+    size("--ffn-hidden", int, "MLP hidden size")
+    size("--heads", int, "query heads (head dim = hidden / heads)")
+    size("--query-groups", int, "GQA KV groups")
+    size("--block-size", int, "MSA key block size")
+    size("--top-k", int, "MSA selected blocks per query")
+    size("--index-head-dim", int, "MSA index head dim Di")
+    # The other MSAConfig fields (--kl-coeff, --init-blocks, ...); the three above are kept.
+    add_msa_arguments(p, prefix="", warmup=False,
                       defaults=MSAConfig(block_size=64, top_k=8, index_head_dim=64))
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--lr-warmup", type=int, default=10)
-    p.add_argument("--clip-grad", type=float, default=1.0)
-    p.add_argument("--eval-windows", type=int, default=4)
+    p.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate")
+    size("--lr-warmup", int, "linear learning-rate warmup steps")
+    p.add_argument("--clip-grad", type=float, default=1.0, help="global gradient-norm clip")
+    size("--eval-windows", int, "held-out windows")
     p.add_argument("--no-baseline", action="store_true",
                    help="skip the dense-attention run (same as --runs msa)")
     p.add_argument("--runs", default=None,
@@ -814,29 +863,36 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--probe-interval", type=int, default=None,
                    help="steps between selection-recall measurements (0: never; default: "
                         "--log-interval)")
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--seed", type=int, default=1234, help="weights, data order")
     p.add_argument("--device", choices=("cpu", "cuda"),
-                   default="cuda" if torch.cuda.is_available() else "cpu")
+                   default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="gloo on cpu, NCCL on cuda; the default is cuda where a GPU is visible")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
                    help="compute dtype (default: bf16 autocast on CUDA, fp32 on CPU)")
-    p.add_argument("--log-interval", type=int, default=5)
-    p.add_argument("--out-dir", type=Path, default=Path("runs/pretrain_tiny"))
+    size("--log-interval", int, "steps between log lines")
+    p.add_argument("--out-dir", type=Path, default=None,
+                   help=f"output directory (default: {DEFAULT_OUT_ROOT}/tp<TP>-cp<CP>, or the "
+                        "next free -2, -3, ... if that one holds an earlier run; the run says "
+                        "which at its start)")
     p.add_argument("--quick", action="store_true",
-                   help="a few steps at a tiny size (CI smoke run)")
+                   help="a few steps at a tiny size (CI smoke run); explicit flags still win")
+    p.add_argument("--check-only", action="store_true",
+                   help="check the settings for WORLD_SIZE processes (env, default 1), then exit")
     retrieval_task.add_arguments(p)
+    return p
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parse the command line; options left unset take the full or the ``--quick`` size."""
+    p = build_parser()
     args = p.parse_args(argv)
-    if args.quick:
-        args.steps, args.warmup_steps, args.seq_len = 8, 3, 256
-        args.layers, args.hidden, args.ffn_hidden = 2, 128, 256
-        args.heads, args.query_groups = 2, 2
-        args.block_size, args.top_k, args.index_head_dim = 16, 4, 64
-        args.eval_windows, args.lr_warmup, args.log_interval = 2, 2, 1
+    for key, value in (QUICK_SIZES if args.quick else FULL_SIZES).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.tp = 1 if args.tp is None else args.tp
+    args.cp = 1 if args.cp is None else args.cp
     if args.dtype is None:
         args.dtype = "bf16" if args.device == "cuda" else "fp32"
-    if not 1 <= args.cp <= MAX_CP:
-        p.error(f"--cp must be in [1, {MAX_CP}] (documents are padded to {PAD_MULTIPLE} tokens)")
-    if args.warmup_steps > args.steps:
-        p.error("--warmup-steps must not exceed --steps")
     if args.probe_interval is None:
         args.probe_interval = args.log_interval
     if args.runs is None:
@@ -868,6 +924,80 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
+def check_settings(args: argparse.Namespace, world_size: int) -> List[str]:
+    """Every problem of the layout and sizes that would otherwise surface later (inside
+    torchrun, megatron-core or the MSA layers); checked before any process group starts.
+
+    Returns one message per problem (empty: all good).
+    """
+    errors: List[str] = []
+    tp, cp = args.tp, args.cp
+    if tp < 1 or cp < 1:
+        errors.append(f"--tp {tp} and --cp {cp} must be >= 1")
+    elif world_size % (tp * cp):
+        errors.append(f"{world_size} processes (NPROC / --nproc-per-node) are not a multiple of "
+                      f"TP x CP = {tp} x {cp} = {tp * cp}; the rest of the world is data parallel")
+    if cp >= 1 and (cp > MAX_CP or PAD_MULTIPLE % (2 * cp)):
+        errors.append(f"--cp {cp}: context parallelism splits every packed document into "
+                      f"2 x CP = {2 * cp} equal chunks and documents are padded to "
+                      f"{PAD_MULTIPLE} tokens, so CP must be 1, 2, 4 or 8")
+    if args.seq_len < PAD_MULTIPLE or args.seq_len % PAD_MULTIPLE:
+        errors.append(f"--seq-len {args.seq_len} must be a positive multiple of {PAD_MULTIPLE}")
+    try:
+        msa_config(args)
+    except (TypeError, ValueError) as e:
+        errors.append(f"MSA options (--block-size {args.block_size}, --top-k {args.top_k}, "
+                      f"--index-head-dim {args.index_head_dim}): {e}")
+    if args.block_size > args.seq_len:
+        errors.append(f"--block-size {args.block_size} is larger than --seq-len {args.seq_len}: "
+                      "every query would attend to its whole causal row")
+    if args.heads < 1 or args.hidden % args.heads:
+        errors.append(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
+    if args.query_groups < 1 or args.heads % args.query_groups:
+        errors.append(f"--heads {args.heads} must be a multiple of --query-groups "
+                      f"{args.query_groups}")
+    if tp >= 1 and args.heads % tp:
+        errors.append(f"--heads {args.heads} must be a multiple of --tp {tp}")
+    if tp >= 1 and args.query_groups >= 1 and args.query_groups % tp and tp % args.query_groups:
+        errors.append(f"--query-groups {args.query_groups} and --tp {tp}: one must divide the "
+                      "other")
+    if args.steps < 1:
+        errors.append(f"--steps {args.steps} must be >= 1")
+    if not 0 <= args.warmup_steps <= args.steps:
+        errors.append(f"--warmup-steps {args.warmup_steps} must be in [0, --steps {args.steps}]")
+    if not 0 <= args.lr_warmup <= args.steps:
+        errors.append(f"--lr-warmup {args.lr_warmup} must be in [0, --steps {args.steps}]")
+    if args.eval_windows < 1 or args.log_interval < 1:
+        errors.append(f"--eval-windows {args.eval_windows} and --log-interval "
+                      f"{args.log_interval} must be >= 1")
+    if args.device == "cuda":
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        if not torch.cuda.is_available():
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            errors.append(f"--device cuda (DEVICE=cuda): no CUDA device is visible (torch "
+                          f"{torch.__version__}, {build}); use --device cpu")
+        elif torch.cuda.device_count() < local:
+            errors.append(f"--device cuda: {local} processes on this node but only "
+                          f"{torch.cuda.device_count()} CUDA devices are visible")
+    return errors
+
+
+def resolve_out_dir(args: argparse.Namespace) -> Tuple[Path, str]:
+    """``(directory, note)``: ``--out-dir`` as given (the note says when it replaces an earlier
+    run there), else ``runs/pretrain_tiny/tp<TP>-cp<CP>``, or its next free ``-2``, ``-3``, ...
+    when an earlier run is there: a layout never overwrites another run's results unannounced."""
+    if args.out_dir is not None:
+        earlier = (args.out_dir / "metrics.json").exists()
+        return args.out_dir, " (replaces the earlier run there)" if earlier else ""
+    base = DEFAULT_OUT_ROOT / f"tp{args.tp}-cp{args.cp}"
+    candidate, n = base, 1
+    while (candidate / "metrics.json").exists():
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    note = f" ({base} holds an earlier run; pass --out-dir to choose)" if n > 1 else ""
+    return candidate, note
+
+
 def init_distributed(args: argparse.Namespace) -> torch.device:
     """Join torchrun's process group (or a one-rank group when run without torchrun)."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -885,8 +1015,6 @@ def init_distributed(args: argparse.Namespace) -> torch.device:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=rank,
                             world_size=world, timeout=timedelta(minutes=10))
-    if world % (args.tp * args.cp):
-        raise ValueError(f"world size {world} is not a multiple of --tp {args.tp} x --cp {args.cp}")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp,
                                              context_parallel_size=args.cp)
     if args.device == "cuda":
@@ -898,6 +1026,19 @@ def init_distributed(args: argparse.Namespace) -> torch.device:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    errors = check_settings(args, world)
+    if errors:
+        if int(os.environ.get("RANK", 0)) == 0:  # one message, not one per rank
+            print("pretrain_tiny.py: invalid settings, nothing was started:\n  - "
+                  + "\n  - ".join(errors), file=sys.stderr, flush=True)
+        return 2
+    out_dir, out_note = resolve_out_dir(args)
+    if args.check_only:
+        print(f"settings OK for {world} processes: TP {args.tp} x CP {args.cp} x DP "
+              f"{world // (args.tp * args.cp)}; output to {out_dir}{out_note}", flush=True)
+        return 0
+    args.out_dir = out_dir
     device = init_distributed(args)
     dp_size = parallel_state.get_data_parallel_world_size()
     is_logger = dist.get_rank() == 0
@@ -907,6 +1048,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"{args.heads} heads / {args.query_groups} groups; seq {args.seq_len}, "
               f"MSA block {args.block_size} top-k {args.top_k}; {args.steps} steps, "
               f"dense warmup {args.warmup_steps}", flush=True)
+        print(f"output: {args.out_dir}{out_note}", flush=True)
 
     split = split_files(stdlib_files(), args.seed)
     if args.task == "retrieval":
@@ -925,8 +1067,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     def save(histories: List[History]) -> None:  # after every variant: a cut run keeps some
         if is_logger:
             args.out_dir.mkdir(parents=True, exist_ok=True)
-            record = {"args": {k: str(v) for k, v in vars(args).items()},
-                      "runs": [vars(h) for h in histories]}
+            record = metrics_record(args, histories)
             (args.out_dir / "metrics.json").write_text(json.dumps(record, indent=1))
 
     histories = run_variants(args, device, train_windows, eval_windows, save)

@@ -14,9 +14,14 @@ BACKENDS = ("reference", "torch", "triton")
 CP_KV_EXCHANGES = ("allgather", "selective")
 
 
-@dataclass
+@dataclass(frozen=True)
 class MSAConfig:
-    """Hyper-parameters of one MSA attention layer.
+    """Hyper-parameters of one MSA attention layer (immutable, validated on construction).
+
+    Fields cannot be assigned after construction (``cfg.top_k = 4`` raises
+    ``dataclasses.FrozenInstanceError``), so a config can never hold an unchecked value; derive
+    a changed copy with ``dataclasses.replace(cfg, top_k=4)``, which validates again. The
+    current mode of a model is set with :func:`msa_megatron.megatron.set_msa_mode`, not here.
 
     Attributes:
         block_size: key block size B in tokens (power of two >= 16; Triton: 16 to 128).
@@ -38,7 +43,8 @@ class MSAConfig:
             (:func:`msa_megatron.parallel.context.resolve_cp_kv_exchange`).
 
     Raises:
-        ValueError / TypeError on construction for any inconsistent value (MSA_SPEC section 7).
+        ValueError / TypeError on construction (and in ``dataclasses.replace``) for any
+        inconsistent value (MSA_SPEC section 7).
     """
 
     block_size: int = 128

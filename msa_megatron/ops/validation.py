@@ -31,7 +31,14 @@ def check_tensor(name: str, t: object, ndim: int) -> torch.Tensor:
     if t.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} has unsupported dtype {t.dtype}; expected one of {FLOAT_DTYPES}")
     if t.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dims [T, H, D], got shape {_shape(t)}")
+        hint = ""
+        if t.dim() == ndim + 1:
+            B, S = t.shape[0], t.shape[1]
+            hint = (f"; a batch [B, S, H, D] is packed as one row of T = B * S tokens: pass "
+                    f"{name}.reshape(B * S, H, D) and cu_seqlens = torch.arange(B + 1, "
+                    f"dtype=torch.int32) * S (here B={B}, S={S}), which keeps the sequences "
+                    "apart")
+        raise ValueError(f"{name} must have {ndim} dims [T, H, D], got shape {_shape(t)}{hint}")
     return t
 
 
@@ -158,13 +165,16 @@ def check_backend_limits(backend: str, dtype: torch.dtype, head_dims: dict, bloc
             "or set TRITON_INTERPRET=1 before triton is imported to run the kernels in Triton's "
             "CPU interpreter"
         )
+    other = "; backend='torch' runs any head dim, block size and float dtype (slower)"
     if dtype not in TRITON_DTYPES:
-        raise TypeError(f"backend='triton' supports dtypes {TRITON_DTYPES}, got {dtype}")
+        raise TypeError(f"backend='triton' supports dtypes {TRITON_DTYPES}, got {dtype}{other}")
     for name, dim in head_dims.items():
         if dim not in TRITON_HEAD_DIMS:
-            raise ValueError(f"backend='triton' supports {name} in {TRITON_HEAD_DIMS}, got {dim}")
+            raise ValueError(
+                f"backend='triton' supports {name} in {TRITON_HEAD_DIMS}, got {dim}{other}")
     if block_size not in TRITON_BLOCK_SIZES:
-        raise ValueError(f"backend='triton' supports block_size in {TRITON_BLOCK_SIZES}, got {block_size}")
+        raise ValueError(f"backend='triton' supports block_size in {TRITON_BLOCK_SIZES}, got "
+                         f"{block_size}{other}")
 
 
 def check_options(block_size, top_k, init_blocks, local_blocks, backend, mode="sparse") -> None:

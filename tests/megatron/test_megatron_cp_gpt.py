@@ -11,6 +11,8 @@ closed forms of ``allgather``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -136,8 +138,12 @@ def _cp_worker(rank: int, world_size: int, tp: int, cp: int, recompute=None,
     n_global = BATCH * SEQ
     for step, (fmt, exchange) in enumerate(STEPS):
         # Read by every MSA layer at its next forward; None takes the exchange from
-        # megatron's cp_comm_type "p2p": selective.
-        msa.cp_kv_exchange = None if exchange == "selective" else exchange
+        # megatron's cp_comm_type "p2p": selective. MSAConfig is immutable: each core gets a
+        # changed copy.
+        msa = dataclasses.replace(msa, cp_kv_exchange=None if exchange == "selective"
+                                  else exchange)
+        for core in cores:
+            core.msa_config = msa
         tokens, positions, packed = _cp_batch(step, fmt, cp_group)
         model.zero_grad(set_to_none=True)
         core_calls[0] = 0

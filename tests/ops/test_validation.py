@@ -4,6 +4,7 @@ plus :class:`msa_megatron.MSAConfig` validation."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable, Dict, NamedTuple, Type
 
@@ -174,8 +175,10 @@ def test_references_accept_any_head_dim_block_size_and_float64(entry, backend):
 
 TRITON_LIMITS = {
     "float64": (dict(dtype=torch.float64), {}, TypeError, r"backend='triton' supports dtypes"),
-    "head_dim_24": (dict(head_dim=24), {}, ValueError, r"backend='triton' supports D"),
-    "index_head_dim_40": (dict(index_head_dim=40), {}, ValueError, r"backend='triton' supports Di"),
+    "head_dim_24": (dict(head_dim=24), {}, ValueError,
+                    r"backend='triton' supports D .*, got 24; backend='torch' runs any head dim"),
+    "index_head_dim_40": (dict(index_head_dim=40), {}, ValueError,
+                          r"backend='triton' supports Di .*backend='torch' runs any head dim"),
     "block_size_256": ({}, dict(block_size=256), ValueError,
                        r"backend='triton' supports block_size"),
 }
@@ -247,3 +250,24 @@ def test_triton_on_cpu_without_the_interpreter_names_the_backend(monkeypatch):
 def test_msa_config_rejects_non_finite_numbers(field, value):
     with pytest.raises(ValueError, match=field):
         MSAConfig(**{field: value})
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_batched_4d_input_gets_a_packing_hint(entry):
+    """``[B, S, H, D]`` (a padded batch) is rejected with the packed equivalent spelled out."""
+    args = _valid()
+    args["q_idx"] = args["q_idx"].reshape(2, 16, 2, 16)
+    with pytest.raises(ValueError, match=r"q_idx must have 3 dims .*reshape\(B \* S, H, D\) "
+                                         r"and cu_seqlens = torch.arange\(B \+ 1"):
+        ENTRY_POINTS[entry](args)
+
+
+def test_config_is_immutable_and_replace_validates():
+    cfg = MSAConfig(top_k=8)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.top_k = -5
+    assert cfg.top_k == 8
+    assert dataclasses.replace(cfg, top_k=4).top_k == 4
+    with pytest.raises(ValueError, match="top_k"):
+        dataclasses.replace(cfg, top_k=-5)
+    assert hash(cfg) == hash(MSAConfig(top_k=8))

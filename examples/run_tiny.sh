@@ -7,8 +7,8 @@
 #   bash examples/run_tiny.sh --help               # the script's options and their defaults
 #
 # Environment: VENV (default .venv-example), TORCH_SPEC (default torch==2.13.0; installed first
-# so that the package install keeps it: from PyPI that is the CUDA build on a Linux machine with
-# CUDA and the CPU build elsewhere; for the CPU build everywhere use e.g.
+# so that the package install keeps it; on a machine with CUDA that is PyPI's CUDA build (several
+# GB); pip options may follow, e.g. for the CPU build
 # TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"), TP, CP (CP is
 # 1, 2, 4 or 8), NPROC (default TP*CP, a multiple of TP*CP), DEVICE (cpu | cuda).
 # Every setting is checked (one message, non-zero exit) before any process starts.

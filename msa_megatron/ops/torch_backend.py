@@ -28,9 +28,10 @@ How the work is cut (nothing of size ``T x T`` or ``T x T/B`` per head is ever a
   pass as the value (``dz = (Qs - T) * kl_scale`` on the support) and only scaled in backward.
 
 Accumulation is float32 (float64 for float64 inputs); outputs are in the input dtype, the LSE
-float32 (float64 for float64 inputs), the KL a 0-dim float32. Chunks never mix sequences, so
-NaN/Inf in one sequence's inputs cannot reach another sequence; inside a sequence they may reach
-rows that share a chunk with them (``0 * NaN`` in the GEMMs).
+float32 (float64 for float64 inputs), the KL a 0-dim float32. Chunks never mix sequences, and a
+chunk whose inputs hold NaN/Inf runs one (query, index head) at a time over that row's own
+support (attention forward, backward and KL), so a non-finite value reaches exactly the rows
+that read it (MSA_SPEC section 7).
 """
 
 from __future__ import annotations
@@ -420,8 +421,8 @@ def kl_kernel(
     probabilities ``P_h[p,u] = exp(softmax_scale * q[p,h].k[u,g] - lse[p,h])``, recomputed with
     the attention forward's fused softmax (so ``lse`` is not read). Student
     ``Qs = softmax_u(z)``, ``z = index_scale * q_idx[p,i].k_idx[u,i']``. Both on the support
-    (``block_idx=None``: the whole causal row); ``0 log 0 = 0``. With
-    ``log Qs = z - lse_z``: ``KL = sum T log T - sum T z + lse_z * sum T``.
+    (``block_idx=None``: the whole causal row); ``0 log 0 = 0``;
+    ``KL = sum T (log T - log Qs)`` with ``log Qs = z - logsumexp(z)`` per key, as the oracle.
 
     Returns:
         ``(kl, dq_idx, dk_idx)``: kl 0-dim float32; ``d kl / d q_idx [Tq, Hi, Di]`` and

@@ -39,7 +39,9 @@ LAYOUTS = {
     "mid": ([45, 38], 4, 2, 2, 1, 2, (66, 1, 5)),
 }
 CASES = [("issue", "nan"), ("mid", "nan"), ("mid", "inf")]
-pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+# numpy, under Triton's interpreter, warns on every NaN it meets; NaN is the point here.
+pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")]
 REL_TOL = 1e-4  # fp32 backends against the float64 oracle, on the rows that stay finite
 
 

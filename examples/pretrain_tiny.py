@@ -965,8 +965,8 @@ def check_settings(args: argparse.Namespace, world_size: int) -> List[str]:
         errors.append(f"--steps {args.steps} must be >= 1")
     if not 0 <= args.warmup_steps <= args.steps:
         errors.append(f"--warmup-steps {args.warmup_steps} must be in [0, --steps {args.steps}]")
-    if not 0 <= args.lr_warmup <= args.steps:
-        errors.append(f"--lr-warmup {args.lr_warmup} must be in [0, --steps {args.steps}]")
+    if args.lr_warmup < 0:  # longer than --steps is allowed: the peak is then never reached
+        errors.append(f"--lr-warmup {args.lr_warmup} must be >= 0")
     if args.eval_windows < 1 or args.log_interval < 1:
         errors.append(f"--eval-windows {args.eval_windows} and --log-interval "
                       f"{args.log_interval} must be >= 1")

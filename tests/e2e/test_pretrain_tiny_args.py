@@ -55,7 +55,7 @@ def test_default_and_quick_settings_are_valid(tiny):
     (["--block-size", "48"], 1, "block_size must be a power of two"),
     (["--top-k", "0"], 1, "top_k"),
     (["--steps", "10", "--warmup-steps", "20"], 1, "--warmup-steps 20"),
-    (["--steps", "10", "--lr-warmup", "11"], 1, "--lr-warmup 11"),
+    (["--lr-warmup", "-1"], 1, "--lr-warmup -1"),
     (["--heads", "3"], 1, "multiple of --heads 3"),
 ])
 def test_bad_layouts_and_sizes_are_named(tiny, argv, world, needle):

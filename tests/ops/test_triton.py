@@ -229,10 +229,10 @@ def test_backward_is_deterministic(dense):
 
 def test_chunks_and_key_subtiles_match_reference(monkeypatch):
     """Queries split in many chunks and blocks split in key sub-tiles give the same results."""
-    from msa_megatron.ops.triton import backward, forward, kl_loss
+    from msa_megatron.ops.triton import _common, backward, kl_loss
 
-    for module in (forward, backward, kl_loss):
-        monkeypatch.setattr(module, "PARTIAL_BYTES", 4096)
+    monkeypatch.setattr(_common, "PARTIAL_QS", 0)  # every consumer splits into 16 chunks
+    monkeypatch.setattr(_common, "PARTIAL_MIN_BYTES", 1)
     for module in (backward, kl_loss):
         monkeypatch.setattr(module, "KEY_SUBTILE", 16)
     q, k, v, q_pos, q_kbase = _attention_inputs([45, 0, 30], 4, 2, 2, 16, torch.float32, False)

@@ -26,10 +26,12 @@ DENSE_KEY_TILE = 64
 # Key rows per program of the key-outer (gradient) kernels: a selected block is split in
 # sub-tiles of this many rows so two [rows, D] fp32 accumulators stay in registers.
 KEY_SUBTILE = 64
-# Bytes of per-(pair, head) partial results one chunk of queries may hold; larger selections are
-# processed in chunks of query tokens (BENCHMARK.md: a partial per (token, head, block) for all
-# 128K tokens would be 32 GiB).
-PARTIAL_BYTES = 1 << 30
+# Per-(pair, head) partial results of one chunk of query tokens may take PARTIAL_QS times the
+# bytes of q, at least PARTIAL_MIN_BYTES; larger selections are processed in up to 16 chunks of
+# query tokens (BENCHMARK.md: a partial per (token, head, block) for all 128K tokens would be
+# 32 GiB, 16x q; twice q keeps the whole op's peak near the dense baseline's).
+PARTIAL_QS = 2
+PARTIAL_MIN_BYTES = 64 << 20
 # Programs per multiprocessor of the persistent key-block-outer kernels.
 PROGRAMS_PER_SM = 4
 # Programs of a persistent kernel under the interpreter (runs them one after the other).
@@ -41,10 +43,9 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def query_chunks(num_queries: int, bytes_per_query: int, budget: int) -> list:
-    """``[(start, stop), ...]`` cutting the queries so one chunk's partials fit ``budget``."""
-    size = max(1, budget // max(1, bytes_per_query))
-    return [(c, min(c + size, num_queries)) for c in range(0, num_queries, size)]
+def partial_budget(q_bytes: int) -> int:
+    """Bytes the per-pair partials of one chunk of queries may take (see PARTIAL_QS)."""
+    return max(PARTIAL_QS * int(q_bytes), PARTIAL_MIN_BYTES)
 
 
 def next_pow2(n: int) -> int:

@@ -2,11 +2,13 @@
 
 ``delta = rowsum(dO * O)`` first (:func:`_delta_kernel`).
 
-Sparse mode, key-block-outer like the forward: per chunk of queries, one work item per (KV
-group, selected block, sub-tile of ``KEY_SUBTILE`` key rows) recomputes ``P`` for the
-(token, head) rows that selected the block, adds ``P^T dO`` and ``dS^T Q`` to fp32 dK/dV
+Sparse mode, key-block-outer like the forward (same reverse index): per chunk of query tokens,
+one work item per (KV group, selected start row, sub-tile of ``KEY_SUBTILE`` key rows)
+recomputes ``P`` for the (token, head) rows of the chunk that selected the block, in the
+index's fixed order (token-ascending), adds ``P^T dO`` and ``dS^T Q`` to fp32 dK/dV
 accumulators of its own key rows, and writes the rows' partial ``dQ = dS K`` for that sub-tile;
-partials are summed per row in slot order afterwards.
+partials are summed per row in slot order afterwards. Chunks run one after the other, so the
+gradients are bitwise deterministic.
 
 Dense mode: dQ query-outer (one program per tokens x heads of an index head, walking key
 tiles), dK/dV key-tile-outer over the query tiles that can see the tile
@@ -20,12 +22,15 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    DENSE_KEY_TILE, GATHER_ROWS, KEY_SUBTILE, PARTIAL_BYTES, dot_flags, mma,
-    persistent_programs, query_chunks, support_mask,
+    DENSE_KEY_TILE, GATHER_ROWS, KEY_SUBTILE, dot_flags, mma, partial_budget,
+    persistent_programs, support_mask,
 )
 from ._isolation import nonfinite, support_mma
 from .forward import combine_rows, pair_rows, query_rows, query_tiling, warps_for
-from .reverse_index import build_reverse_index, query_tile_ranges
+from .reverse_index import (
+    SUB_CHUNKS, bucket_pairs, bucket_rows, build_reverse_index, chunk_count, chunk_tokens_bound,
+    query_tile_ranges,
+)
 
 # Rows of one tile of the delta kernel.
 _DELTA_ROWS = 64
@@ -106,24 +111,24 @@ def _kv_rows_step(dk, dv, kt, vt, krow, kmask, t, h, valid, q_ptr, do_ptr, lse_p
 @triton.jit
 def _attn_bwd_blocks_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, qkb_ptr, dk_ptr, dv_ptr, pdq_ptr,
-    key_ptr, pair_ptr, item_lo_ptr, n_items_ptr,
-    t0, Tk, scale,
+    pair_ptr, off_ptr, starts_ptr, meta_ptr, sub_t0_ptr, sc0, sc1, Tk, scale,
     s_qt, s_qh, s_kt, s_kh, s_lt,
     HI: tl.constexpr, TOPK: tl.constexpr, HPI: tl.constexpr, HR: tl.constexpr,
-    TOK: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    TOK: tl.constexpr, IPG: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
+    SUB: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
     """Sparse dK/dV (added to fp32 ``dk``/``dv`` [Tk, Hkv, D]) and partial dQ rows
-    ``(flat * NSUB + sub) * HPI + hl`` of ``pdq``; persistent over (item, key sub-tile)."""
+    ``(flat * NSUB + sub) * HPI + hl`` of ``pdq`` for the pairs of sub-chunks ``sc0 .. sc1-1``;
+    persistent over (KV group x start row, key sub-tile): one program owns those key rows."""
     NSUB: tl.constexpr = BN // KS
     c = tl.arange(0, KS)
     d = tl.arange(0, D)
-    for w in range(tl.program_id(0), tl.load(n_items_ptr) * NSUB, tl.num_programs(0)):
-        lo = tl.load(item_lo_ptr + w // NSUB)
-        hi = tl.load(item_lo_ptr + w // NSUB + 1)
-        gk = tl.load(key_ptr + lo)
-        g = gk // Tk
-        krow = gk % Tk + (w % NSUB) * KS + c
+    f0 = tl.load(sub_t0_ptr + sc0) * (HI * TOPK)
+    n_groups = tl.load(meta_ptr + 3) // IPG
+    for w in range(tl.program_id(0), n_groups * NSUB, tl.num_programs(0)):
+        gb = w // NSUB
+        g, _, s0 = bucket_rows(starts_ptr, meta_ptr, gb * IPG, IPG)
+        krow = s0 + (w % NSUB) * KS + c
         kmask = krow < Tk
         off = krow.to(tl.int64)[:, None] * s_kt + g * s_kh + d[None, :]
         kt = tl.load(k_ptr + off, mask=kmask[:, None], other=0.0)
@@ -132,17 +137,18 @@ def _attn_bwd_blocks_kernel(
         dk = tl.zeros([KS, D], tl.float32)
         dv = tl.zeros([KS, D], tl.float32)
         reach = -1
-        for p0 in range(lo, hi, TOK):
-            flat, t, i, hl, valid = pair_rows(pair_ptr, p0, hi, t0, HI, TOPK, HPI, HR, TOK)
-            dk, dv, ds, inside, rr = _kv_rows_step(dk, dv, kt, vt, krow, kmask, t, i * HPI + hl,
-                                                   valid, q_ptr, do_ptr, lse_ptr, delta_ptr,
-                                                   qpos_ptr, qkb_ptr, s_qt, s_qh, s_lt, scale, D,
-                                                   UPCAST, IEEE)
-            reach = tl.maximum(reach, rr)
-            dq = support_mma(ds.to(kt.dtype), kt, k_bad, inside, UPCAST, IEEE) * scale
-            prow = (flat.to(tl.int64) * NSUB + w % NSUB) * HPI + hl
-            tl.store(pdq_ptr + prow[:, None] * D + d[None, :], dq.to(pdq_ptr.dtype.element_ty),
-                     mask=valid[:, None])
+        for il in range(IPG):
+            lo, hi = bucket_pairs(off_ptr, meta_ptr, gb * IPG + il, sc0, sc1, SUB)
+            for p0 in range(lo, hi, TOK):
+                flat, t, i, hl, valid = pair_rows(pair_ptr, p0, hi, f0, HI, TOPK, HPI, HR, TOK)
+                dk, dv, ds, rr = _kv_rows_step(dk, dv, kt, vt, krow, kmask, t, i * HPI + hl,
+                                               valid, q_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr,
+                                               qkb_ptr, s_qt, s_qh, s_lt, scale, D, UPCAST, IEEE)
+                reach = tl.maximum(reach, rr)
+                dq = mma(ds.to(kt.dtype), kt, UPCAST, IEEE) * scale
+                prow = (flat.to(tl.int64) * NSUB + w % NSUB) * HPI + hl
+                tl.store(pdq_ptr + prow[:, None] * D + d[None, :],
+                         dq.to(pdq_ptr.dtype.element_ty), mask=valid[:, None])
         out = (kmask & (krow <= reach))[:, None]  # rows past the sequence belong to others
         tl.store(dk_ptr + off, tl.load(dk_ptr + off, mask=out, other=0.0) + dk * scale, mask=out)
         tl.store(dv_ptr + off, tl.load(dv_ptr + off, mask=out, other=0.0) + dv, mask=out)
@@ -185,14 +191,16 @@ def _attn_bwd_dkdv_dense_kernel(
 
 @triton.jit
 def sum_partials_kernel(
-    pdq_ptr, bidx_ptr, qpos_ptr, dq_ptr, t0, Tc, s_bt, s_bh, s_qt, s_qh,
+    pdq_ptr, bidx_ptr, qpos_ptr, dq_ptr, sub_t0_ptr, sc0, sc1, s_bt, s_bh, s_qt, s_qh,
     HI: tl.constexpr, TOPK: tl.constexpr, NSUB: tl.constexpr, HPI: tl.constexpr,
     HR: tl.constexpr, TOK: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
 ):
-    """``dq[t, h] = sum`` of the row's (slot, sub-tile) partials, in slot order (dQ, dq_idx)."""
+    """``dq[t, h] = sum`` of the row's (slot, sub-tile) partials, in slot order (dQ, dq_idx),
+    for the tokens of sub-chunks ``sc0 .. sc1 - 1``."""
+    t0 = tl.load(sub_t0_ptr + sc0)
     t, h, valid, dq, _ = combine_rows(pdq_ptr, pdq_ptr, bidx_ptr, qpos_ptr, tl.program_id(0),
-                                      tl.program_id(1), t0, Tc, s_bt, s_bh, HI, TOPK, NSUB, HPI,
-                                      HR, TOK, D, BN, False)
+                                      tl.program_id(1), t0, tl.load(sub_t0_ptr + sc1) - t0,
+                                      s_bt, s_bh, HI, TOPK, NSUB, HPI, HR, TOK, D, BN, False)
     d = tl.arange(0, D)
     tl.store(dq_ptr + t.to(tl.int64)[:, None] * s_qt + h[:, None] * s_qh + d[None, :],
              dq.to(dq_ptr.dtype.element_ty), mask=valid[:, None])
@@ -249,21 +257,22 @@ def attention_backward(
     dq = torch.empty_like(q)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    rev = build_reverse_index(block_idx, q_pos, q_kbase, Tk, block_size, Hkv)
     per_query = Hq * top_k * nsub * D * q.element_size()
-    for c0, c1 in query_chunks(Tq, per_query, PARTIAL_BYTES):
-        rev = build_reverse_index(block_idx[c0:c1], q_pos[c0:c1], q_kbase[c0:c1], Tk,
-                                  block_size, Hkv, ipg)
-        part = torch.empty(((c1 - c0) * hi * top_k * nsub * hpi, D), dtype=q.dtype,
-                           device=q.device)
-        _attn_bwd_blocks_kernel[(persistent_programs(q.device, rev.max_items * nsub),)](
-            q, k, v, dout, lse, delta, q_pos, q_kbase, dk, dv, part, rev.key, rev.pair,
-            rev.unit_lo, rev.n_units, c0, Tk, scale, *strides,
-            HI=hi, TOPK=top_k, HPI=hpi, HR=hr, TOK=tok, D=D, BN=block_size, KS=ks,
-            UPCAST=upcast, IEEE=ieee, num_warps=warps_for(max(tok * hr, ks)),
+    chunks = chunk_count(Tq * per_query, partial_budget(q.numel() * q.element_size()))
+    rows = chunk_tokens_bound(rev, chunks)
+    part = torch.empty((rows * hi * top_k * nsub * hpi, D), dtype=q.dtype, device=q.device)
+    step = SUB_CHUNKS // chunks
+    for sc0 in range(0, SUB_CHUNKS, step):
+        _attn_bwd_blocks_kernel[(persistent_programs(q.device, Hkv * Tk * nsub),)](
+            q, k, v, dout, lse, delta, q_pos, q_kbase, dk, dv, part, rev.pair, rev.off,
+            rev.starts, rev.meta, rev.sub_t0, sc0, sc0 + step, Tk, scale, *strides,
+            HI=hi, TOPK=top_k, HPI=hpi, HR=hr, TOK=tok, IPG=ipg, D=D, BN=block_size, KS=ks,
+            SUB=SUB_CHUNKS, UPCAST=upcast, IEEE=ieee, num_warps=warps_for(max(tok * hr, ks)),
         )
-        sum_partials_kernel[(triton.cdiv(c1 - c0, tok), hi)](
-            part, block_idx, q_pos, dq, c0, c1 - c0, block_idx.stride(0), block_idx.stride(1),
-            q.stride(0), q.stride(1), HI=hi, TOPK=top_k, NSUB=nsub, HPI=hpi, HR=hr, TOK=tok,
-            D=D, BN=block_size, num_warps=warps_for(tok * hr),
+        sum_partials_kernel[(triton.cdiv(rows, tok), hi)](
+            part, block_idx, q_pos, dq, rev.sub_t0, sc0, sc0 + step, block_idx.stride(0),
+            block_idx.stride(1), q.stride(0), q.stride(1), HI=hi, TOPK=top_k, NSUB=nsub,
+            HPI=hpi, HR=hr, TOK=tok, D=D, BN=block_size, num_warps=warps_for(tok * hr),
         )
     return dq, dk.to(k.dtype), dv.to(v.dtype)

@@ -1,12 +1,13 @@
 """Main-branch forward (MSA_SPEC section 3, dense causal in warmup mode, section 5).
 
-Sparse mode is key-block-outer (the queries of a chunk are grouped by the key block they
-selected, :mod:`.reverse_index`): one work item per (KV group, selected key block) loads the
-block's K/V once and streams the (token, query head) rows that selected it through the matrix
-unit in tiles of ``GATHER_ROWS`` rows. Each row gets a partial output normalised over that block
-and its log-sum-exp; :func:`_attn_combine_kernel` merges a row's ``k`` partials by their LSE in
-slot order (no atomics, deterministic). Queries are processed in chunks so the partials stay
-under ``PARTIAL_BYTES``.
+Sparse mode is key-block-outer over the layer's reverse index (:mod:`.reverse_index`, built
+once per selection on the GPU): one work item (one index head, one selected start row, up to
+``ITEM_PAIRS`` pairs, items listed in token order) loads the block's K/V once and streams the
+(token, query head) rows that selected it through the matrix unit in tiles of ``GATHER_ROWS``
+rows. Each row gets a partial output normalised over that block and its log-sum-exp;
+:func:`_attn_combine_kernel` merges a row's ``k`` partials by their LSE in slot order (no
+atomics, deterministic). Partials are kept for one chunk of query tokens at a time, at most
+``PARTIAL_QS`` times the bytes of q (up to 16 chunks; :func:`._common.partial_budget`).
 
 Dense mode is query-outer: one program owns tokens x the query heads of one index head and
 walks the key tiles from its lowest to its highest reachable key row, with the support mask
@@ -21,11 +22,12 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    DENSE_KEY_TILE, DENSE_ROWS, GATHER_ROWS, PARTIAL_BYTES, dot_flags, mma, next_pow2,
-    persistent_programs, query_chunks, support_mask,
+    DENSE_KEY_TILE, DENSE_ROWS, GATHER_ROWS, dot_flags, mma, next_pow2, partial_budget,
+    persistent_programs, support_mask,
 )
-from ._isolation import log_sum_exp, nonfinite, support_mma
-from .reverse_index import build_reverse_index
+from .reverse_index import (
+    SUB_CHUNKS, bucket_rows, build_reverse_index, chunk_count, chunk_tokens_bound, item_pairs,
+)
 
 
 @triton.jit
@@ -42,16 +44,17 @@ def query_rows(tile, i, Tq, qpos_ptr, qkb_ptr, HPI: tl.constexpr, HR: tl.constex
 
 
 @triton.jit
-def pair_rows(pair_ptr, p0, hi, t0, HI: tl.constexpr, TOPK: tl.constexpr, HPI: tl.constexpr,
+def pair_rows(pair_ptr, p0, hi, f0, HI: tl.constexpr, TOPK: tl.constexpr, HPI: tl.constexpr,
               HR: tl.constexpr, TOK: tl.constexpr):
     """Rows of a key-block-outer tile: ``TOK`` sorted pairs from ``p0`` (< ``hi``) x ``HR``
-    head rows. Returns ``(flat, t, i, hl, valid)``; ``flat`` is the pair's index in its chunk."""
+    head rows. Returns ``(flat, t, i, hl, valid)``; ``flat`` is the pair's index relative to
+    ``f0`` (the first pair of the chunk whose partials are being written)."""
     r = tl.arange(0, TOK * HR)
     pr = p0 + r // HR
     on = pr < hi
     flat = tl.load(pair_ptr + pr, mask=on, other=0)
     hl = r % HR
-    return flat, t0 + flat // (HI * TOPK), flat // TOPK % HI, hl, on & (hl < HPI)
+    return flat - f0, flat // (HI * TOPK), flat // TOPK % HI, hl, on & (hl < HPI)
 
 
 @triton.jit
@@ -109,33 +112,36 @@ def _attn_fwd_dense_kernel(
 @triton.jit
 def _attn_fwd_blocks_kernel(
     q_ptr, k_ptr, v_ptr, qpos_ptr, qkb_ptr, po_ptr, plse_ptr,
-    key_ptr, pair_ptr, item_lo_ptr, n_items_ptr,
-    t0, Tk, scale,
+    pair_ptr, item_cell_ptr, cell_start_ptr, off_ptr, sub_item_ptr, sub_t0_ptr, starts_ptr,
+    meta_ptr, sc0, sc1, Tk, NBMAX, scale,
     s_qt, s_qh, s_kt, s_kh,
     HI: tl.constexpr, TOPK: tl.constexpr, HPI: tl.constexpr, HR: tl.constexpr,
-    TOK: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    TOK: tl.constexpr, IPG: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+    SUB: tl.constexpr, ITEM: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Partial output and LSE of every (pair, head) row over its selected block.
+    """Partial output and LSE of every (pair, head) row of sub-chunks ``sc0 .. sc1 - 1`` over
+    its selected block.
 
-    Persistent over the items (KV group, key block) of the reverse index; partial row of pair
-    ``flat`` and head ``hl`` is ``flat * HPI + hl``.
+    Persistent over the per-pair items of the reverse index (one index head, one start row, up
+    to ``ITEM_PAIRS`` pairs); partial row of pair ``flat`` (relative to the chunk) and head
+    ``hl`` is ``flat * HPI + hl``.
     """
     c = tl.arange(0, BN)
     d = tl.arange(0, D)
-    for w in range(tl.program_id(0), tl.load(n_items_ptr), tl.num_programs(0)):
-        lo = tl.load(item_lo_ptr + w)
-        hi = tl.load(item_lo_ptr + w + 1)
-        gk = tl.load(key_ptr + lo)
-        g = gk // Tk
-        krow = gk % Tk + c
+    f0 = tl.load(sub_t0_ptr + sc0) * (HI * TOPK)
+    w_hi = tl.load(sub_item_ptr + sc1)
+    for w in range(tl.load(sub_item_ptr + sc0) + tl.program_id(0), w_hi, tl.num_programs(0)):
+        lo, hi, bucket = item_pairs(item_cell_ptr, cell_start_ptr, off_ptr, meta_ptr, w, NBMAX,
+                                    SUB, ITEM)
+        g, _, s0 = bucket_rows(starts_ptr, meta_ptr, bucket, IPG)
+        krow = s0 + c
         kmask = krow < Tk
         off = krow.to(tl.int64)[:, None] * s_kt + g * s_kh + d[None, :]
         kt = tl.load(k_ptr + off, mask=kmask[:, None], other=0.0)
         vt = tl.load(v_ptr + off, mask=kmask[:, None], other=0.0)
         v_bad = nonfinite(vt)
         for p0 in range(lo, hi, TOK):
-            flat, t, i, hl, valid = pair_rows(pair_ptr, p0, hi, t0, HI, TOPK, HPI, HR, TOK)
+            flat, t, i, hl, valid = pair_rows(pair_ptr, p0, hi, f0, HI, TOPK, HPI, HR, TOK)
             pos = tl.load(qpos_ptr + t, mask=valid, other=-1)
             kbase = tl.load(qkb_ptr + t, mask=valid, other=0)
             q = tl.load(q_ptr + t.to(tl.int64)[:, None] * s_qt + (i * HPI + hl)[:, None] * s_qh
@@ -204,15 +210,16 @@ def combine_rows(part_ptr, plse_ptr, bidx_ptr, qpos_ptr, tile, i, t0, Tc, s_bt, 
 
 @triton.jit
 def _attn_combine_kernel(
-    po_ptr, plse_ptr, bidx_ptr, qpos_ptr, o_ptr, lse_ptr,
-    t0, Tc, s_bt, s_bh, s_qt, s_qh, s_lt,
+    po_ptr, plse_ptr, bidx_ptr, qpos_ptr, o_ptr, lse_ptr, sub_t0_ptr, sc0, sc1,
+    s_bt, s_bh, s_qt, s_qh, s_lt,
     HI: tl.constexpr, TOPK: tl.constexpr, HPI: tl.constexpr, HR: tl.constexpr,
     TOK: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
 ):
     i = tl.program_id(1)
+    t0 = tl.load(sub_t0_ptr + sc0)
     t, h, valid, out, lse = combine_rows(po_ptr, plse_ptr, bidx_ptr, qpos_ptr, tl.program_id(0),
-                                         i, t0, Tc, s_bt, s_bh, HI, TOPK, 1, HPI, HR, TOK, D,
-                                         BN, True)
+                                         i, t0, tl.load(sub_t0_ptr + sc1) - t0, s_bt, s_bh, HI,
+                                         TOPK, 1, HPI, HR, TOK, D, BN, True)
     d = tl.arange(0, D)
     t64 = t.to(tl.int64)
     tl.store(o_ptr + t64[:, None] * s_qt + h[:, None] * s_qh + d[None, :],
@@ -269,21 +276,24 @@ def attention_forward(
     tok, hr = query_tiling(hpi, GATHER_ROWS)
     block_idx = block_idx.contiguous()
     top_k = block_idx.shape[2]
+    rev = build_reverse_index(block_idx, q_pos, q_kbase, Tk, block_size, Hkv)
     per_query = Hq * top_k * (D * q.element_size() + 4)
-    for c0, c1 in query_chunks(Tq, per_query, PARTIAL_BYTES):
-        rev = build_reverse_index(block_idx[c0:c1], q_pos[c0:c1], q_kbase[c0:c1], Tk,
-                                  block_size, Hkv, hi // Hkv)
-        part = torch.empty(((c1 - c0) * hi * top_k * hpi, D), dtype=q.dtype, device=q.device)
-        part_lse = torch.empty(part.shape[0], dtype=torch.float32, device=q.device)
+    chunks = chunk_count(Tq * per_query, partial_budget(q.numel() * q.element_size()))
+    rows = chunk_tokens_bound(rev, chunks)
+    part = torch.empty((rows * hi * top_k * hpi, D), dtype=q.dtype, device=q.device)
+    part_lse = torch.empty(part.shape[0], dtype=torch.float32, device=q.device)
+    step = SUB_CHUNKS // chunks
+    for sc0 in range(0, SUB_CHUNKS, step):
         _attn_fwd_blocks_kernel[(persistent_programs(q.device, rev.max_items),)](
-            q, k, v, q_pos, q_kbase, part, part_lse, rev.key, rev.pair, rev.unit_lo,
-            rev.n_units, c0, Tk, float(softmax_scale),
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            HI=hi, TOPK=top_k, HPI=hpi, HR=hr, TOK=tok, D=D, BN=block_size, UPCAST=upcast,
-            IEEE=ieee, num_warps=warps_for(tok * hr),
+            q, k, v, q_pos, q_kbase, part, part_lse, rev.pair, rev.item_cell, rev.cell_start,
+            rev.off, rev.sub_item, rev.sub_t0, rev.starts, rev.meta, sc0, sc0 + step, Tk,
+            rev.max_buckets, float(softmax_scale), q.stride(0), q.stride(1), k.stride(0),
+            k.stride(1), HI=hi, TOPK=top_k, HPI=hpi, HR=hr, TOK=tok, IPG=hi // Hkv, D=D,
+            BN=block_size, SUB=SUB_CHUNKS, ITEM=rev.item_pairs, UPCAST=upcast, IEEE=ieee,
+            num_warps=warps_for(tok * hr),
         )
-        _attn_combine_kernel[(triton.cdiv(c1 - c0, tok), hi)](
-            part, part_lse, block_idx, q_pos, out, lse, c0, c1 - c0,
+        _attn_combine_kernel[(triton.cdiv(rows, tok), hi)](
+            part, part_lse, block_idx, q_pos, out, lse, rev.sub_t0, sc0, sc0 + step,
             block_idx.stride(0), block_idx.stride(1), q.stride(0), q.stride(1), lse.stride(0),
             HI=hi, TOPK=top_k, HPI=hpi, HR=hr, TOK=tok, D=D, BN=block_size,
             num_warps=warps_for(tok * hr),

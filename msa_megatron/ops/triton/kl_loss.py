@@ -8,12 +8,12 @@ the index head's query heads (the forward's ``lse``), student ``log Qs = z - lse
 ``KL = sum T (log T - log Qs)``, ``dz = Qs - T``, ``dq_idx = sum dz k_idx``,
 ``dk_idx = sum dz q_idx`` (times ``index_scale * kl_scale``).
 
-Sparse mode, key-block-outer (:mod:`.reverse_index`), per chunk of queries:
-pass A gives each (token, index head, slot) the log-sum-exp of ``z`` over its block, merged
-per token; pass B, per (KV group, block, unit of index heads, key sub-tile), recomputes ``T``
-and ``Qs`` for the rows that selected the block, adds ``dz^T q_idx`` to an fp32 index-key
-gradient of its rows (one partial per unit, summed in a fixed order) and writes per-pair
-partials of the KL value and of ``dq_idx``.
+Sparse mode, key-block-outer over the layer's reverse index (:mod:`.reverse_index`): pass A,
+over all tokens at once, gives each (token, index head, slot) the log-sum-exp of ``z`` over its
+block, merged per token; pass B, per chunk of query tokens and per (unit of index heads,
+selected start row, key sub-tile), recomputes ``T`` and ``Qs`` for the rows that selected the
+block, adds ``dz^T q_idx`` to an fp32 index-key gradient of its rows (one partial per unit,
+summed in a fixed order) and writes per-pair partials of the KL value and of ``dq_idx``.
 Dense mode: a query-outer rows kernel (``lse_z``, KL, ``dq_idx``) and a key-tile-outer kernel
 (``dk_idx``).
 
@@ -30,13 +30,16 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    DENSE_KEY_TILE, DENSE_ROWS, GATHER_ROWS, KEY_SUBTILE, KL_ROWS, PARTIAL_BYTES, dot_flags,
-    mma, persistent_programs, query_chunks, support_mask, token_mean,
+    DENSE_KEY_TILE, DENSE_ROWS, GATHER_ROWS, KEY_SUBTILE, KL_ROWS, dot_flags, mma,
+    partial_budget, persistent_programs, support_mask, token_mean,
 )
 from ._isolation import log_sum_exp, nonfinite, support_mma
 from .backward import sum_partials_kernel
 from .forward import pair_rows, query_rows, query_tiling, warps_for
-from .reverse_index import build_reverse_index, query_tile_ranges
+from .reverse_index import (
+    SUB_CHUNKS, bucket_pairs, bucket_rows, build_reverse_index, chunk_count,
+    chunk_tokens_bound, item_pairs, query_tile_ranges,
+)
 
 # dz = Qs - T lies in [-1, 1]; it is scaled by this power of two (exact) before being rounded to
 # fp16/bf16 for the matrix products, so small differences keep their precision in fp16.
@@ -147,26 +150,28 @@ def _kl_rows_dense_kernel(
 
 @triton.jit
 def _kl_lsez_blocks_kernel(
-    qi_ptr, ki_ptr, qpos_ptr, qkb_ptr, plz_ptr, key_ptr, pair_ptr, item_lo_ptr, n_items_ptr,
-    t0, Tk, iscale, s_it, s_ih, s_jt, s_jh,
-    HI: tl.constexpr, TOPK: tl.constexpr, UPG: tl.constexpr, UNIT: tl.constexpr,
-    HPK: tl.constexpr, DI: tl.constexpr, BN: tl.constexpr, ROWS: tl.constexpr,
+    qi_ptr, ki_ptr, qpos_ptr, qkb_ptr, plz_ptr, pair_ptr, item_cell_ptr, cell_start_ptr,
+    off_ptr, sub_item_ptr, starts_ptr, meta_ptr, Tk, NBMAX, iscale, s_it, s_ih, s_jt, s_jh,
+    HI: tl.constexpr, TOPK: tl.constexpr, IPG: tl.constexpr, HPK: tl.constexpr,
+    DI: tl.constexpr, BN: tl.constexpr, ROWS: tl.constexpr, SUB: tl.constexpr,
+    ITEM: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Sparse pass A: log-sum-exp of ``z`` over each selected block, one value per pair."""
+    """Sparse pass A: log-sum-exp of ``z`` over each selected block, one value per pair (all
+    tokens at once: ``plz [Tq * Hi * k]``), persistent over the per-pair items."""
     c = tl.arange(0, BN)
     di = tl.arange(0, DI)
-    for w in range(tl.program_id(0), tl.load(n_items_ptr), tl.num_programs(0)):
-        lo = tl.load(item_lo_ptr + w)
-        hi = tl.load(item_lo_ptr + w + 1)
-        key = tl.load(key_ptr + lo)
-        j = (key // UPG // Tk * UPG + key % UPG) * UNIT // HPK
-        krow = key // UPG % Tk + c
+    for w in range(tl.program_id(0), tl.load(sub_item_ptr + SUB), tl.num_programs(0)):
+        lo, hi, bucket = item_pairs(item_cell_ptr, cell_start_ptr, off_ptr, meta_ptr, w, NBMAX,
+                                    SUB, ITEM)
+        _, head, s0 = bucket_rows(starts_ptr, meta_ptr, bucket, IPG)
+        j = head // HPK
+        krow = s0 + c
         kmask = krow < Tk
         kit = tl.load(ki_ptr + krow.to(tl.int64)[:, None] * s_jt + j * s_jh + di[None, :],
                       mask=kmask[:, None], other=0.0)
         for p0 in range(lo, hi, ROWS):
-            flat, t, i, _, valid = pair_rows(pair_ptr, p0, hi, t0, HI, TOPK, 1, 1, ROWS)
+            flat, t, i, _, valid = pair_rows(pair_ptr, p0, hi, 0, HI, TOPK, 1, 1, ROWS)
             pos = tl.load(qpos_ptr + t, mask=valid, other=-1)
             kbase = tl.load(qkb_ptr + t, mask=valid, other=0)
             qi = tl.load(qi_ptr + t.to(tl.int64)[:, None] * s_it + i[:, None] * s_ih + di[None, :],
@@ -182,20 +187,21 @@ def _kl_lsez_blocks_kernel(
 @triton.jit
 def _kl_keys_kernel(
     q_ptr, k_ptr, lse_ptr, qi_ptr, ki_ptr, lsez_ptr, qpos_ptr, qkb_ptr, part_ptr, pkl_ptr,
-    pdqi_ptr, key_ptr, pair_ptr, item_lo_ptr, n_items_ptr, qt_lo_ptr, qt_hi_ptr,
-    t0, Tq, Tk, scale, iscale, grad_scale,
+    pdqi_ptr, pair_ptr, off_ptr, starts_ptr, meta_ptr, sub_t0_ptr, qt_lo_ptr, qt_hi_ptr,
+    sc0, sc1, Tq, Tk, scale, iscale, grad_scale,
     s_qt, s_qh, s_kt, s_kh, s_lt, s_it, s_ih, s_jt, s_jh, s_zt, s_pu,
     HI: tl.constexpr, TOPK: tl.constexpr, HPI: tl.constexpr, HR: tl.constexpr,
     TOK: tl.constexpr, IPG: tl.constexpr, HPK: tl.constexpr, UNIT: tl.constexpr,
-    D: tl.constexpr, DI: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
+    D: tl.constexpr, DI: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr, SUB: tl.constexpr,
     SPARSE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
     """Index-key gradient of key rows, one fp32 partial per unit (``part [units, Tk, DI]``).
 
-    Sparse (pass B): persistent over (unit item, key sub-tile), adds to ``part`` (chunks run
-    one after the other) and writes per-pair partials of the KL (``pkl``) and of ``dq_idx``
-    (``pdqi``, rows ``flat * NSUB + sub``). Dense: one program per key tile and unit, over the
-    query tiles that can see the tile; writes ``part``.
+    Sparse (pass B): persistent over (unit x start row, key sub-tile) for the pairs of
+    sub-chunks ``sc0 .. sc1 - 1``, adds to ``part`` (chunks run one after the other) and writes
+    per-pair partials of the KL (``pkl``) and of ``dq_idx`` (``pdqi``, rows
+    ``flat * NSUB + sub``, relative to the chunk). Dense: one program per key tile and unit,
+    over the query tiles that can see the tile; writes ``part``.
     """
     UPG: tl.constexpr = IPG // UNIT
     NSUB: tl.constexpr = BN // KS
@@ -206,14 +212,15 @@ def _kl_keys_kernel(
     d = tl.arange(0, D)
     di = tl.arange(0, DI)
     if SPARSE:
-        for w in range(tl.program_id(0), tl.load(n_items_ptr) * NSUB, tl.num_programs(0)):
-            lo = tl.load(item_lo_ptr + w // NSUB)
-            hi = tl.load(item_lo_ptr + w // NSUB + 1)
-            key = tl.load(key_ptr + lo)
-            g = key // UPG // Tk
-            unit = g * UPG + key % UPG
+        f0 = tl.load(sub_t0_ptr + sc0) * (HI * TOPK)
+        n_unit_rows = tl.load(meta_ptr + 3) // IPG * UPG
+        for w in range(tl.program_id(0), n_unit_rows * NSUB, tl.num_programs(0)):
+            ub = w // NSUB
+            gc = ub // UPG
+            g, _, s0 = bucket_rows(starts_ptr, meta_ptr, gc * IPG, IPG)
+            unit = g * UPG + ub % UPG
             j = unit * UNIT // HPK
-            krow = key // UPG % Tk + (w % NSUB) * KS + c
+            krow = s0 + (w % NSUB) * KS + c
             kmask = krow < Tk
             k64 = krow.to(tl.int64)[:, None]
             kt = tl.load(k_ptr + k64 * s_kt + g * s_kh + d[None, :], mask=kmask[:, None], other=0.0)
@@ -222,20 +229,23 @@ def _kl_keys_kernel(
             kit_bad = nonfinite(kit)
             dki = tl.zeros([KS, DI], tl.float32)
             reach = -1
-            for p0 in range(lo, hi, TOK):
-                flat, t, i, hl, valid = pair_rows(pair_ptr, p0, hi, t0, HI, TOPK, HPI, HR, TOK)
-                dz, kl, qi, on, rr = _kl_tile(kt, kit, krow, kmask, t, i, hl, valid, q_ptr,
+            for m in range(UNIT):
+                lo, hi = bucket_pairs(off_ptr, meta_ptr, gc * IPG + (ub % UPG) * UNIT + m, sc0,
+                                      sc1, SUB)
+                for p0 in range(lo, hi, TOK):
+                    flat, t, i, hl, valid = pair_rows(pair_ptr, p0, hi, f0, HI, TOPK, HPI, HR,
+                                                      TOK)
+                    dz, kl, qi, rr = _kl_tile(kt, kit, krow, kmask, t, i, hl, valid, q_ptr,
                                               lse_ptr, qi_ptr, lsez_ptr, qpos_ptr, qkb_ptr, s_qt,
                                               s_qh, s_lt, s_it, s_ih, s_zt, scale, iscale, HPI,
                                               HR, TOK, D, DI, UPCAST, IEEE)
-                reach = tl.maximum(reach, rr)
-                dki += support_mma(tl.trans(dz.to(qi.dtype)), qi, nonfinite(qi), tl.trans(on),
-                                   UPCAST, IEEE)
-                dqi = support_mma(dz.to(kit.dtype), kit, kit_bad, on, UPCAST, IEEE) * out_scale
-                prow = flat.to(tl.int64) * NSUB + w % NSUB
-                first = valid & (hl == 0)
-                tl.store(pkl_ptr + prow, kl, mask=first)
-                tl.store(pdqi_ptr + prow[:, None] * DI + di[None, :], dqi, mask=first[:, None])
+                    reach = tl.maximum(reach, rr)
+                    dki += mma(tl.trans(dz.to(qi.dtype)), qi, UPCAST, IEEE)
+                    dqi = mma(dz.to(kit.dtype), kit, UPCAST, IEEE) * out_scale
+                    prow = flat.to(tl.int64) * NSUB + w % NSUB
+                    first = valid & (hl == 0)
+                    tl.store(pkl_ptr + prow, kl, mask=first)
+                    tl.store(pdqi_ptr + prow[:, None] * DI + di[None, :], dqi, mask=first[:, None])
             out = (kmask & (krow <= reach))[:, None]
             p_off = unit.to(tl.int64) * s_pu + k64 * DI + di[None, :]
             tl.store(part_ptr + p_off, tl.load(part_ptr + p_off, mask=out, other=0.0)
@@ -325,9 +335,9 @@ def kl_loss(
         qt_lo, qt_hi = query_tile_ranges(q_pos, q_kbase, Tk, tok, ks)
         _kl_keys_kernel[(triton.cdiv(Tk, ks), n_units)](
             q, k, lse, q_idx, k_idx, lse_z, q_pos, q_kbase, part, part, part, q_pos, q_pos, q_pos,
-            q_pos, qt_lo, qt_hi, 0, Tq, Tk, *scales, *strides, lse_z.stride(0), part.stride(0),
-            HI=Hi, TOPK=1, HPI=hpi, HR=hr, TOK=tok, IPG=ipg, HPK=hpk, UNIT=unit, D=D, DI=Di,
-            BN=ks, KS=ks, SPARSE=False, UPCAST=upcast, IEEE=ieee,
+            q_pos, q_pos, qt_lo, qt_hi, 0, 0, Tq, Tk, *scales, *strides, lse_z.stride(0),
+            part.stride(0), HI=Hi, TOPK=1, HPI=hpi, HR=hr, TOK=tok, IPG=ipg, HPK=hpk, UNIT=unit,
+            D=D, DI=Di, BN=ks, KS=ks, SUB=SUB_CHUNKS, SPARSE=False, UPCAST=upcast, IEEE=ieee,
             num_warps=warps_for(max(tok * hr, ks)),
         )
     else:
@@ -336,39 +346,44 @@ def kl_loss(
         ks = min(block_size, KEY_SUBTILE)
         nsub = block_size // ks
         part = torch.zeros((n_units, Tk, Di), dtype=torch.float32, device=dev)
-        value = torch.zeros((), dtype=torch.float32, device=dev)
-        lse_z = torch.empty((Tq, Hi), dtype=torch.float32, device=dev)
-        per_query = Hi * top_k * (nsub * (Di + 1) + 1) * 4
-        for c0, c1 in query_chunks(Tq, per_query, PARTIAL_BYTES):
-            n = c1 - c0
-            rev = build_reverse_index(block_idx[c0:c1], q_pos[c0:c1], q_kbase[c0:c1], Tk,
-                                      block_size, Hkv, unit)
-            lse_z_part = torch.full((n, Hi, top_k), float("-inf"), dtype=torch.float32, device=dev)
-            _kl_lsez_blocks_kernel[(persistent_programs(dev, rev.max_items),)](
-                q_idx, k_idx, q_pos, q_kbase, lse_z_part, rev.key, rev.pair, rev.unit_lo,
-                rev.n_units, c0, Tk, scales[1], *strides[5:],
-                HI=Hi, TOPK=top_k, UPG=ipg // unit, UNIT=unit, HPK=hpk, DI=Di, BN=block_size,
-                ROWS=KL_ROWS, UPCAST=upcast, IEEE=ieee, num_warps=warps_for(KL_ROWS),
-            )
-            lse_z[c0:c1] = torch.logsumexp(lse_z_part, dim=2)
-            pkl = torch.zeros(n * Hi * top_k * nsub, dtype=torch.float32, device=dev)
-            pdqi = torch.empty((n * Hi * top_k * nsub, Di), dtype=torch.float32, device=dev)
-            _kl_keys_kernel[(persistent_programs(dev, rev.max_items * nsub),)](
-                q, k, lse, q_idx, k_idx, lse_z, q_pos, q_kbase, part, pkl, pdqi, rev.key,
-                rev.pair, rev.unit_lo, rev.n_units, q_pos, q_pos,
-                c0, Tq, Tk, *scales, *strides, lse_z.stride(0), part.stride(0),
+        rev = build_reverse_index(block_idx, q_pos, q_kbase, Tk, block_size, Hkv)
+        lse_z_part = torch.full((Tq, Hi, top_k), float("-inf"), dtype=torch.float32, device=dev)
+        _kl_lsez_blocks_kernel[(persistent_programs(dev, rev.max_items),)](
+            q_idx, k_idx, q_pos, q_kbase, lse_z_part, rev.pair, rev.item_cell, rev.cell_start,
+            rev.off, rev.sub_item, rev.starts, rev.meta, Tk, rev.max_buckets, scales[1],
+            *strides[5:], HI=Hi, TOPK=top_k, IPG=ipg, HPK=hpk, DI=Di, BN=block_size,
+            ROWS=KL_ROWS, SUB=SUB_CHUNKS, ITEM=rev.item_pairs, UPCAST=upcast, IEEE=ieee,
+            num_warps=warps_for(KL_ROWS),
+        )
+        lse_z = torch.logsumexp(lse_z_part, dim=2)
+        del lse_z_part
+        per_query = Hi * top_k * nsub * (Di + 1) * 4
+        chunks = chunk_count(Tq * per_query, partial_budget(q.numel() * q.element_size()))
+        rows = chunk_tokens_bound(rev, chunks)
+        pkl = torch.zeros(rows * Hi * top_k * nsub, dtype=torch.float32, device=dev)
+        pdqi = torch.empty((rows * Hi * top_k * nsub, Di), dtype=torch.float32, device=dev)
+        kl_rows = []
+        step = SUB_CHUNKS // chunks
+        for sc0 in range(0, SUB_CHUNKS, step):
+            if sc0:
+                pkl.zero_()
+            _kl_keys_kernel[(persistent_programs(dev, n_units * Tk * nsub),)](
+                q, k, lse, q_idx, k_idx, lse_z, q_pos, q_kbase, part, pkl, pdqi, rev.pair,
+                rev.off, rev.starts, rev.meta, rev.sub_t0, q_pos, q_pos, sc0, sc0 + step, Tq, Tk,
+                *scales, *strides, lse_z.stride(0), part.stride(0),
                 HI=Hi, TOPK=top_k, HPI=hpi, HR=hr, TOK=tok, IPG=ipg, HPK=hpk, UNIT=unit, D=D,
-                DI=Di, BN=block_size, KS=ks, SPARSE=True, UPCAST=upcast, IEEE=ieee,
-                num_warps=warps_for(max(tok * hr, ks)),
+                DI=Di, BN=block_size, KS=ks, SUB=SUB_CHUNKS, SPARSE=True, UPCAST=upcast,
+                IEEE=ieee, num_warps=warps_for(max(tok * hr, ks)),
             )
-            value = value + pkl.sum() * kl_scale
+            kl_rows.append(pkl.sum())
             if compute_grad:
-                sum_partials_kernel[(triton.cdiv(n, GATHER_ROWS), Hi)](
-                    pdqi, block_idx, q_pos, dq_idx, c0, n, block_idx.stride(0),
-                    block_idx.stride(1), q_idx.stride(0), q_idx.stride(1), HI=Hi, TOPK=top_k,
-                    NSUB=nsub, HPI=1, HR=1, TOK=GATHER_ROWS, D=Di, BN=block_size,
-                    num_warps=warps_for(GATHER_ROWS),
+                sum_partials_kernel[(triton.cdiv(rows, GATHER_ROWS), Hi)](
+                    pdqi, block_idx, q_pos, dq_idx, rev.sub_t0, sc0, sc0 + step,
+                    block_idx.stride(0), block_idx.stride(1), q_idx.stride(0), q_idx.stride(1),
+                    HI=Hi, TOPK=top_k, NSUB=nsub, HPI=1, HR=1, TOK=GATHER_ROWS, D=Di,
+                    BN=block_size, num_warps=warps_for(GATHER_ROWS),
                 )
+        value = torch.stack(kl_rows).sum() * kl_scale
         if not compute_grad:
             return value, dq_idx, k_idx.new_empty((0,))
     dk_idx = part.view(Hik, hpk // unit, Tk, Di).sum(1).transpose(0, 1).contiguous()

@@ -1,0 +1,123 @@
+"""The GPU reverse index (counting sort) against a plain-Python sort of the same pairs."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from msa_megatron.ops.layout import query_layout  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _selection(q_pos, hi, top_k, block, gen):
+    """Random valid selections, ascending, -1 padded, plus a few slots past the own block."""
+    tq = q_pos.numel()
+    own = (q_pos.long() // block)
+    out = torch.full((tq, hi, top_k), -1, dtype=torch.int32)
+    for t in range(tq):
+        for i in range(hi):
+            n = int(own[t]) + 1
+            pick = torch.randperm(n + 2, generator=gen)[:min(top_k, n)].sort().values
+            out[t, i, :pick.numel()] = pick.to(torch.int32)  # may hold blocks past the own one
+    return out.to(DEVICE)
+
+
+def _expected(block_idx, q_pos, q_kbase, block, hkv):
+    """Used pairs stable-sorted by (KV group, start row, index head in group)."""
+    tq, hi, k = block_idx.shape
+    ipg = hi // hkv
+    keys, flats = [], []
+    for t in range(tq):
+        for i in range(hi):
+            for s in range(k):
+                b = int(block_idx[t, i, s])
+                if b < 0 or b * block > int(q_pos[t]):
+                    continue
+                keys.append((i // ipg, int(q_kbase[t]) + b * block, i % ipg))
+                flats.append((t * hi + i) * k + s)
+    order = sorted(range(len(flats)), key=lambda n: (keys[n], flats[n]))
+    return [flats[n] for n in order], [keys[n] for n in order]
+
+
+LAYOUTS = [
+    # lens (THD) or None for a CP-like layout, Hi, Hkv, k, block
+    ([70, 0, 33, 1, 50], 4, 2, 3, 16),
+    ([120], 2, 1, 4, 16),
+    (None, 2, 2, 2, 16),
+]
+
+
+@pytest.mark.parametrize("tile_tokens", [128, 2])
+@pytest.mark.parametrize("case", LAYOUTS, ids=lambda c: str(c[0]))
+def test_reverse_index_is_a_stable_counting_sort(case, tile_tokens, monkeypatch):
+    from msa_megatron.ops.triton import reverse_index as ri
+
+    monkeypatch.setattr(ri, "TILE_TOKENS", tile_tokens)
+    monkeypatch.setattr(ri, "ITEM_PAIRS", 5)
+    lens, hi, hkv, k, block = case
+    gen = torch.Generator().manual_seed(7)
+    if lens is None:  # chunks 0 and 3 of 4 of one 128-token sequence (CP 2, rank 0)
+        rows = torch.cat([torch.arange(0, 32), torch.arange(96, 128)])
+        q_pos = rows.to(torch.int32).to(DEVICE)
+        q_kbase = torch.zeros_like(q_pos)
+        tk = 128
+    else:
+        tk = sum(lens)
+        cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32,
+                          device=DEVICE)
+        q_pos, q_kbase = query_layout(cu, tk, DEVICE)
+    block_idx = _selection(q_pos.cpu(), hi, k, block, gen)
+    rev = ri.build_reverse_index(block_idx, q_pos, q_kbase, tk, block, hkv)
+    want, keys = _expected(block_idx.cpu(), q_pos.cpu(), q_kbase.cpu(), block, hkv)
+    n = len(want)
+    assert rev.pair[:n].tolist() == want
+    ns, nt, ts, nb = rev.meta.tolist()
+    assert nt % ri.SUB_CHUNKS == 0 and ts * nt >= q_pos.numel()
+    if tile_tokens == 2:
+        assert nt > ri.SUB_CHUNKS  # several tiles per sub-chunk were exercised
+    starts = rev.starts[:ns].tolist()
+    ipg = hi // hkv
+    # Cells: bucket-major, tile-minor, covering exactly the sorted list.
+    off = rev.off.tolist()
+    assert off[0] == 0 and off[nb * nt] == n
+    for pos in range(n):
+        g, s, il = keys[pos]
+        bucket = (g * ns + starts.index(s)) * ipg + il
+        assert off[bucket * nt] <= pos < off[(bucket + 1) * nt]
+    # Items: within one bucket and one sub-chunk, at most ITEM_PAIRS, covering every pair once.
+    sub_item, sub_t0 = rev.sub_item.tolist(), rev.sub_t0.tolist()
+    assert sub_t0[0] == 0 and sub_t0[-1] == q_pos.numel()
+    seen = torch.zeros(n, dtype=torch.int64)
+    per_tok = hi * k
+    for sc in range(ri.SUB_CHUNKS):
+        for w in range(sub_item[sc], sub_item[sc + 1]):
+            cell = int(rev.item_cell[w])
+            j = w - int(rev.cell_start[cell])
+            assert cell // rev.max_buckets == sc
+            b = cell % rev.max_buckets
+            lo, hi_ = off[b * nt + sc * nt // 16] + 5 * j, off[b * nt + (sc + 1) * nt // 16]
+            hi_ = min(hi_, lo + 5)
+            assert 0 < hi_ - lo <= 5
+            seen[lo:hi_] += 1
+            for pos in range(lo, hi_):
+                g, s, il = keys[pos]
+                assert b == (g * ns + starts.index(s)) * ipg + il
+                assert sub_t0[sc] <= want[pos] // per_tok < sub_t0[sc + 1]
+    assert bool((seen == 1).all())
+
+
+def test_reverse_index_is_cached_per_selection():
+    from msa_megatron.ops.triton import reverse_index as ri
+
+    cu = torch.tensor([0, 40], dtype=torch.int32, device=DEVICE)
+    q_pos, q_kbase = query_layout(cu, 40, DEVICE)
+    block_idx = _selection(q_pos.cpu(), 2, 2, 16, torch.Generator().manual_seed(1))
+    first = ri.build_reverse_index(block_idx, q_pos, q_kbase, 40, 16, 1)
+    assert ri.build_reverse_index(block_idx, q_pos, q_kbase, 40, 16, 1) is first
+    block_idx.add_(0)  # an in-place write (version bump) invalidates the cached index
+    assert ri.build_reverse_index(block_idx, q_pos, q_kbase, 40, 16, 1) is not first

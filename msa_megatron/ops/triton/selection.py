@@ -3,11 +3,19 @@ top-k, all in one Triton kernel; no ``[T, T]`` or ``[T, T/B]`` tensor exists in 
 
 One program owns a tile of ``TOK`` query tokens x the ``Hi/Hik`` index heads reading one index
 key head (rows = token x head). It walks the key blocks of the tile's sequences in ascending
-order, computes the ``[rows, B]`` score tile with one matrix product, reduces it to block scores
-(max over ``u <= p``), and keeps a running top-k per row in registers. Walking blocks in
-ascending order makes the tie rule exact: a later block replaces a kept one only when its score
-is strictly larger. A tile whose tokens belong to several sequences (short documents, any
+order, computes the ``[rows, B]`` score tile with one matrix product (the next block's index
+keys are loaded while the current one is reduced), applies the causal mask only on blocks that
+reach past a row's position, reduces the tile to block maxima (NaN propagating), scales the
+maxima (exact: the scale is positive and rounding is monotone) and keeps a running top-k per
+row in registers: ranking keys (int32, the fp32 score's order) and block ids (int32). A block
+is compared with the row's current k-th key first; only when some row of the tile beats it
+is the top-k updated. Walking blocks in ascending order makes the tie rule exact: a later block
+replaces a kept one only when its key is strictly larger, and the evicted block is the worst
+key's highest block. A tile whose tokens belong to several sequences (short documents, any
 ``q_kbase``) handles one sequence ("segment") at a time.
+
+Ranking (MSA_SPEC section 2, DESIGN "Ranking with NaN"): forced blocks first, then NaN block
+scores, then numbers in descending order (+0 == -0), ties to the lower block.
 """
 
 from __future__ import annotations
@@ -20,23 +28,26 @@ from ._common import dot_flags, mma, next_pow2
 
 # Rows (tokens x heads) of one selection tile (128: 2.1 ms vs 2.8 ms for 64 at paper 32K, H200).
 SELECT_ROWS = 128
-# Ranking key of a block (int64, larger is better): class << 60 | ordered fp32 score << 28 |
-# (2^28 - 1 - block). Class 2 = forced, 1 = eligible by score, 0 = empty slot. The low bits make
-# equal scores rank the lower block first, exactly the tie rule of MSA_SPEC 2.4.
-_CLASS_SHIFT = tl.constexpr(60)
-_SCORE_SHIFT = tl.constexpr(28)
-_BLOCK_BITS = tl.constexpr((1 << 28) - 1)
-_PADDING_KEY = tl.constexpr(2**63 - 1)  # never the worst slot
-_SIGN_FLIP = tl.constexpr(2**31)
+# int32 ranking keys (larger is better): a number's key has the order of its fp32 value; every
+# NaN ranks above +inf; forced blocks above NaN; empty slots below every block.
+_FORCED_KEY = tl.constexpr(2**31 - 1)
+_NAN_KEY = tl.constexpr(0x7FC00000)  # above the key of +inf (0x7F800000)
+_EMPTY_KEY = tl.constexpr(-(2**31))
+_MAGNITUDE = tl.constexpr(2**31 - 1)
 
 
 @triton.jit
-def _ordered_bits(s):
-    """Map fp32 to int64 in [0, 2^32) preserving order (-0.0 and +0.0 equal, NaN lowest)."""
-    s = tl.where(s == s, s, float("-inf"))
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _rank_key(s):
+    """int32 key with the order of fp32 ``s`` (-0.0 == +0.0, every NaN above +inf)."""
     s = tl.where(s == 0.0, 0.0, s)
-    bits = s.to(tl.int32, bitcast=True).to(tl.int64)
-    return tl.where(bits >= 0, bits + _SIGN_FLIP, -1 - bits)
+    bits = s.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ _MAGNITUDE)
+    return tl.where(s != s, _NAN_KEY, key)
 
 
 @triton.jit
@@ -64,7 +75,9 @@ def _select_kernel(
                 mask=valid[:, None], other=0.0)
     c = tl.arange(0, BLK)
     col = tl.arange(0, K_P2)[None, :]
-    kept = tl.where(col < TOPK, 0, _PADDING_KEY).to(tl.int64) + tl.zeros([R, K_P2], tl.int64)
+    real = col < TOPK
+    keys = tl.where(real, _EMPTY_KEY, _FORCED_KEY) + tl.zeros([R, K_P2], tl.int32)
+    ids = tl.full([R, K_P2], -1, tl.int32)
     done = valid == 0
     left = tl.sum(valid.to(tl.int32))
     while left > 0:
@@ -72,26 +85,35 @@ def _select_kernel(
         seg_kb = tl.min(tl.where(done, Tk, kb))
         inseg = (done == 0) & (kb == seg_kb)
         seg_pos = tl.max(tl.where(inseg, pos, -1))
+        seg_min = tl.min(tl.where(inseg, pos, seg_pos))
+        thresh = tl.min(tl.where(real, keys, _FORCED_KEY), axis=1)  # the row's k-th key
+        k_off = (seg_kb + c).to(tl.int64)[:, None] * s_kt + j * s_kh + d[None, :]
+        k_next = tl.load(ki_ptr + k_off, mask=(c <= seg_pos)[:, None], other=0.0)
         for b in range(0, seg_pos // BLK + 1):
-            u = b * BLK + c
-            kt = tl.load(ki_ptr + (seg_kb + u).to(tl.int64)[:, None] * s_kt + j * s_kh + d[None, :],
-                         mask=(u <= seg_pos)[:, None], other=0.0)
-            z = mma(q, tl.trans(kt), UPCAST, IEEE) * scale
-            z = tl.where(u[None, :] <= pos[:, None], z, float("-inf"))
+            kt = k_next
+            u_next = (b + 1) * BLK + c
+            k_next = tl.load(ki_ptr + k_off + (b + 1) * BLK * s_kt,
+                             mask=(u_next <= seg_pos)[:, None], other=0.0)
+            z = mma(q, tl.trans(kt), UPCAST, IEEE)
+            if (b + 1) * BLK - 1 > seg_min:  # the block reaches past some row's position
+                z = tl.where((b * BLK + c)[None, :] <= pos[:, None], z, float("-inf"))
+            key = _rank_key(tl.reduce(z, 1, _max_nan) * scale)
             elig = inseg & (b <= own)
-            forced = (b > own - LOCAL) | (b < INIT)
-            klass = tl.where(elig, tl.where(forced, 2, 1), 0).to(tl.int64)
-            key = ((klass << _CLASS_SHIFT) | (_ordered_bits(tl.max(z, axis=1)) << _SCORE_SHIFT)
-                   | (_BLOCK_BITS - b))
-            key = tl.where(elig, key, 0)
-            worst, worst_col = tl.min(kept, axis=1, return_indices=True)
-            hit = (key > worst)[:, None] & (col == worst_col[:, None])
-            kept = tl.where(hit, key[:, None], kept)
+            key = tl.where((b > own - LOCAL) | (b < INIT), _FORCED_KEY, key)
+            hit = elig & (key > thresh)
+            if tl.max(hit.to(tl.int32)) > 0:
+                # Evict the worst kept block: lowest key, among equal keys the highest block.
+                worst = (keys == thresh[:, None]) & real
+                _, worst_col = tl.max(tl.where(worst, ids, -2), axis=1, return_indices=True)
+                upd = hit[:, None] & (col == worst_col[:, None])
+                keys = tl.where(upd, key[:, None], keys)
+                ids = tl.where(upd, b, ids)
+                thresh = tl.min(tl.where(real, keys, _FORCED_KEY), axis=1)
         done = done | inseg
         left = tl.sum((done == 0).to(tl.int32))
     # Ascending block numbers: rank each kept block among the row's kept blocks.
-    filled = (kept > 0) & (kept != _PADDING_KEY)
-    block = tl.where(filled, _BLOCK_BITS - (kept & _BLOCK_BITS), _BLOCK_BITS + 1)
+    filled = real & (keys != _EMPTY_KEY)
+    block = tl.where(filled, ids, 2**30)
     rank = tl.sum((block[:, None, :] < block[:, :, None]).to(tl.int32), axis=2)
     slot = tl.arange(0, K_P2)[None, :, None]
     picked = tl.sum(tl.where((rank[:, None, :] == slot) & filled[:, None, :], block[:, None, :], 0),
@@ -99,7 +121,7 @@ def _select_kernel(
     n_kept = tl.sum(filled.to(tl.int32), axis=1)
     picked = tl.where(col < n_kept[:, None], picked, -1)
     out_off = t.to(tl.int64)[:, None] * s_ot + head[:, None] * s_oh + col
-    tl.store(out_ptr + out_off, picked.to(tl.int32), mask=valid[:, None] & (col < TOPK))
+    tl.store(out_ptr + out_off, picked.to(tl.int32), mask=valid[:, None] & real)
 
 
 def select_blocks_triton(
@@ -116,9 +138,9 @@ def select_blocks_triton(
 
     Returns:
         ``[Tq, Hi, top_k]`` int32 block numbers relative to the sequence start, ascending,
-        ``-1`` in unused slots. Scores are fp32 from the input dtype; ties go to the lower block.
-        NaN inputs never break the result's structure: the GPU block max skips NaN scores and a
-        block whose max is NaN ranks below every other (the oracle ranks NaN first).
+        ``-1`` in unused slots. Scores are fp32 from the input dtype; forced blocks first, then
+        NaN block scores (a NaN anywhere in a block's causal part makes its score NaN), then
+        the largest scores; ties go to the lower block (the oracle's rule).
     """
     Tq, Hi, Di = q_idx.shape
     Tk, Hik, _ = k_idx.shape

@@ -412,9 +412,10 @@ def config_inputs(heads_name: str, t: int, packed: bool, dims: dict, dist: str, 
     return heads, lens, x, block_idx
 
 
-def time_flex(run: Run, name: str, heads_name: str, t: int, packed: bool, dims: dict, device):
+def time_flex(run: Run, name: str, heads_name: str, t: int, packed: bool, dims: dict, device,
+              dists=DISTS):
     """FlexAttention rows, added to the rows of ``name`` (run last: it compiles per mask)."""
-    for dist in DISTS:
+    for dist in dists:
         row = next((r for r in run.data["rows"] if r.get("config") == name
                     and r.get("dist") == dist), None)
         if row is None or run.left() < 60 + 30 * t / 32768:
@@ -558,8 +559,9 @@ def table(data: dict) -> str:
              f"copy {data['ceilings'].get('copy_tb_per_s', float('nan')):.2f} TB/s",
              "checks: " + ", ".join(f"{c['check']}={'ok' if c.get('ok') else 'FAIL'}"
                                     for c in data["checks"])]
-    head = ("config", "dist", "select", "tsel", "fwd", "fwd+bwd", "whole", "floor", "dense",
-            "cudnn f/fb", "flex f/fb", "x cudnn", "x flex", "MiB op/cudnn")
+    head = ("config", "dist", "select", "sel/gemm", "tsel", "fwd", "fwd+bwd", "whole", "floor",
+            "dense", "cudnn f/fb", "flex f/fb", "x cudnn", "x flex", "MiB op/cudnn",
+            "fwd/bwd %mm")
     lines.append(" | ".join(head))
     dense = {}
     nan = float("nan")
@@ -576,8 +578,13 @@ def table(data: dict) -> str:
                                                      for k, v in r["peak_mib"].items()}))
         whole = ms.get("whole_fwd_bwd", nan)
         flex_fb = ms.get("flex_fwd_bwd", nan)
+        gemm = r["flops"]["select"] / rate / 1e9  # bare causal index GEMM at the matmul rate
+        # Useful rates (BENCHMARK.md): forward 4 Hq D |supp|, backward 2.5x that.
+        fwd_rate = r["flops"]["main_fwd"] / ms.get("main_fwd", nan) / 1e9
+        bwd_rate = 2.5 * r["flops"]["main_fwd"] / (ms.get("main_fwd_bwd", nan)
+                                                    - ms.get("main_fwd", nan)) / 1e9
         cells = (r["config"], r["dist"], f"{ms.get('select', nan):.2f}",
-                 f"{ms.get('torch_select', nan):.1f}", f"{ms.get('main_fwd', nan):.2f}",
+                 f"{ms.get('select', nan) / gemm:.2f}", f"{ms.get('torch_select', nan):.1f}", f"{ms.get('main_fwd', nan):.2f}",
                  f"{ms.get('main_fwd_bwd', nan):.2f}", f"{whole:.2f}",
                  f"{r['flops']['whole'] / rate / 1e9:.2f}",
                  f"{d.get('dense_mode_fwd_bwd', nan):.1f}",
@@ -586,7 +593,8 @@ def table(data: dict) -> str:
                  f"{d.get('cudnn_fwd_bwd', nan) / whole:.2f}",
                  f"{(ms.get('torch_select', nan) + flex_fb) / whole:.2f}",
                  f"{r['peak_mib'].get('whole_fwd_bwd', nan):.0f}/"
-                 f"{d.get('peak_cudnn_fwd_bwd', nan):.0f}")
+                 f"{d.get('peak_cudnn_fwd_bwd', nan):.0f}",
+                 f"{100 * fwd_rate / rate:.0f}/{100 * bwd_rate / rate:.0f}")
         lines.append(" | ".join(cells))
     return "\n".join(lines)
 
@@ -601,6 +609,8 @@ def main() -> int:
                         help="only the paper bf16 oracle check and the torch-backend check")
     parser.add_argument("--flex-configs", default="paper-8k,paper-32k",
                         help="configs that also time FlexAttention (last; '' for none)")
+    parser.add_argument("--flex-dists", default=",".join(DISTS),
+                        help="index distributions timed with FlexAttention")
     parser.add_argument("--commit", default=None)
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes (CPU interpreter)")
     parser.add_argument("--sweep", action="store_true", help="also time tile-size variants")
@@ -662,7 +672,8 @@ def main() -> int:
     for name in filter(None, args.flex_configs.split(",")):
         heads_name, t, packed = CONFIGS[name]
         try:
-            time_flex(run, name, heads_name, 48 if args.dry_run else t, packed, dims, device)
+            time_flex(run, name, heads_name, 48 if args.dry_run else t, packed, dims, device,
+                      tuple(filter(None, args.flex_dists.split(","))))
         except Exception as e:
             print(f"flex {name}: {type(e).__name__}: {e}", flush=True)
     run.data["meta"]["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")

@@ -164,7 +164,7 @@ def _kl_lsez_blocks_kernel(
     for w in range(tl.program_id(0), tl.load(sub_item_ptr + SUB), tl.num_programs(0)):
         lo, hi, bucket = item_pairs(item_cell_ptr, cell_start_ptr, off_ptr, meta_ptr, w, NBMAX,
                                     SUB, ITEM)
-        _, head, s0 = bucket_rows(starts_ptr, meta_ptr, bucket, IPG)
+        g, head, s0 = bucket_rows(starts_ptr, meta_ptr, bucket, IPG)
         j = head // HPK
         krow = s0 + c
         kmask = krow < Tk

@@ -584,7 +584,8 @@ def table(data: dict) -> str:
         bwd_rate = 2.5 * r["flops"]["main_fwd"] / (ms.get("main_fwd_bwd", nan)
                                                     - ms.get("main_fwd", nan)) / 1e9
         cells = (r["config"], r["dist"], f"{ms.get('select', nan):.2f}",
-                 f"{ms.get('select', nan) / gemm:.2f}", f"{ms.get('torch_select', nan):.1f}", f"{ms.get('main_fwd', nan):.2f}",
+                 f"{ms.get('select', nan) / gemm:.2f}", f"{ms.get('torch_select', nan):.1f}",
+                 f"{ms.get('main_fwd', nan):.2f}",
                  f"{ms.get('main_fwd_bwd', nan):.2f}", f"{whole:.2f}",
                  f"{r['flops']['whole'] / rate / 1e9:.2f}",
                  f"{d.get('dense_mode_fwd_bwd', nan):.1f}",

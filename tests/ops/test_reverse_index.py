@@ -27,13 +27,25 @@ def _selection(q_pos, hi, top_k, block, gen):
     return out.to(DEVICE)
 
 
+def _full(block_idx, q_pos, block):
+    """Rows whose selection holds every block of their causal prefix (the dense kernels')."""
+    tq, hi, _ = block_idx.shape
+    return torch.tensor([[set(block_idx[t, i].tolist()) - {-1} == set(range(int(q_pos[t]) // block
+                                                                         + 1))
+                          for i in range(hi)] for t in range(tq)])
+
+
 def _expected(block_idx, q_pos, q_kbase, block, hkv):
-    """Used pairs stable-sorted by (KV group, start row, index head in group)."""
+    """Used pairs of rows that are not full, stable-sorted by (KV group, start row, index head
+    in group)."""
     tq, hi, k = block_idx.shape
     ipg = hi // hkv
+    full = _full(block_idx, q_pos, block)
     keys, flats = [], []
     for t in range(tq):
         for i in range(hi):
+            if full[t, i]:
+                continue
             for s in range(k):
                 b = int(block_idx[t, i, s])
                 if b < 0 or b * block > int(q_pos[t]):
@@ -73,6 +85,9 @@ def test_reverse_index_is_a_stable_counting_sort(case, tile_tokens, monkeypatch)
         q_pos, q_kbase = query_layout(cu, tk, DEVICE)
     block_idx = _selection(q_pos.cpu(), hi, k, block, gen)
     rev = ri.build_reverse_index(block_idx, q_pos, q_kbase, tk, block, hkv)
+    full = _full(block_idx.cpu(), q_pos.cpu(), block)
+    assert torch.equal(rev.full.cpu().bool(), full)
+    assert 0 < int(full.sum()) < full.numel()  # both paths are exercised
     want, keys = _expected(block_idx.cpu(), q_pos.cpu(), q_kbase.cpu(), block, hkv)
     n = len(want)
     assert rev.pair[:n].tolist() == want

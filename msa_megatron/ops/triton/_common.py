@@ -87,6 +87,26 @@ def mma(a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     return out
 
 
+# Row filters of the kernels that serve both paths of a sparse call (FULL constexpr): rows whose
+# selection holds every block of their causal prefix go through the dense kernels.
+ALL_ROWS, FULL_ROWS, SPARSE_ROWS = 0, 1, 2
+
+
+@triton.jit
+def row_filter(valid, t, i, full_ptr, HI: tl.constexpr, FULL: tl.constexpr):
+    """``valid`` restricted by ``FULL``: all rows, rows (token ``t``, index head ``i``) marked
+    in ``full [Tq, HI]`` int8 (FULL_ROWS), or the unmarked ones (SPARSE_ROWS)."""
+    if FULL == 0:
+        out = valid
+    else:
+        f = tl.load(full_ptr + t.to(tl.int64) * HI + i, mask=valid, other=0)
+        if FULL == 1:
+            out = valid & (f != 0)
+        else:
+            out = valid & (f == 0)
+    return out
+
+
 @triton.jit
 def support_mask(krow, kmask, kbase, pos, valid):
     """``[R, N]`` bool: key row ``krow[n]`` lies in row ``r``'s causal row (same sequence, u <= p).

@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    DENSE_KEY_TILE, GATHER_ROWS, KEY_SUBTILE, dot_flags, mma, partial_budget,
-    persistent_programs, support_mask,
+    ALL_ROWS, DENSE_KEY_TILE, FULL_ROWS, GATHER_ROWS, KEY_SUBTILE, SPARSE_ROWS, dot_flags, mma,
+    partial_budget, persistent_programs, row_filter, support_mask,
 )
 from ._isolation import nonfinite, support_mma
 from .forward import combine_rows, pair_rows, query_rows, query_tiling, warps_for
@@ -48,16 +48,18 @@ def _delta_kernel(o_ptr, do_ptr, delta_ptr, rows, D: tl.constexpr, ROWS: tl.cons
 
 @triton.jit
 def _attn_bwd_dq_dense_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, qkb_ptr, dq_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, qkb_ptr, full_ptr, dq_ptr,
     Tq, Tk, scale,
     s_qt, s_qh, s_kt, s_kh, s_lt,
     HPI: tl.constexpr, HR: tl.constexpr, TOK: tl.constexpr, IPG: tl.constexpr,
-    D: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    D: tl.constexpr, BN: tl.constexpr, HI: tl.constexpr, FULL: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     i = tl.program_id(1)
     g = i // IPG
-    t, h, valid, pos, kbase = query_rows(tile, i, Tq, qpos_ptr, qkb_ptr, HPI, HR, TOK)
+    t, h, valid, pos, kbase = query_rows(tile, i, Tq, qpos_ptr, qkb_ptr, full_ptr, HPI, HR, TOK,
+                                         HI, FULL)
     d = tl.arange(0, D)
     q_off = t.to(tl.int64)[:, None] * s_qt + h[:, None] * s_qh + d[None, :]
     q = tl.load(q_ptr + q_off, mask=valid[:, None], other=0.0)
@@ -156,14 +158,16 @@ def _attn_bwd_blocks_kernel(
 
 @triton.jit
 def _attn_bwd_dkdv_dense_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, qkb_ptr, dk_ptr, dv_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, qkb_ptr, full_ptr, dk_ptr, dv_ptr,
     qt_lo_ptr, qt_hi_ptr,
     Tq, Tk, scale,
     s_qt, s_qh, s_kt, s_kh, s_lt,
     HPI: tl.constexpr, HR: tl.constexpr, TOK: tl.constexpr, IPG: tl.constexpr,
-    D: tl.constexpr, KS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    D: tl.constexpr, KS: tl.constexpr, HI: tl.constexpr, FULL: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Dense dK/dV: one program per key tile of ``KS`` rows and KV group."""
+    """Dense dK/dV: one program per key tile of ``KS`` rows and KV group (rows filtered by
+    ``FULL``); writes every key row of the tile."""
     n = tl.program_id(0)
     g = tl.program_id(1)
     r = tl.arange(0, TOK * HR)
@@ -172,35 +176,38 @@ def _attn_bwd_dkdv_dense_kernel(
     krow = n * KS + tl.arange(0, KS)
     kmask = krow < Tk
     off = krow.to(tl.int64)[:, None] * s_kt + g * s_kh + d[None, :]
-    kt = tl.load(k_ptr + off, mask=kmask[:, None], other=0.0)
-    vt = tl.load(v_ptr + off, mask=kmask[:, None], other=0.0)
-    dk = tl.zeros([KS, D], tl.float32)
-    dv = tl.zeros([KS, D], tl.float32)
     a_lo = tl.load(qt_lo_ptr + n)
     a_hi = tl.load(qt_hi_ptr + n)
+    seen = kmask & (krow < tl.where(a_lo < a_hi, Tk, 0))  # no traffic if no row sees the tile
+    kt = tl.load(k_ptr + off, mask=seen[:, None], other=0.0)
+    vt = tl.load(v_ptr + off, mask=seen[:, None], other=0.0)
+    dk = tl.zeros([KS, D], tl.float32)
+    dv = tl.zeros([KS, D], tl.float32)
     for ii in range(IPG):
         for a in range(a_lo, a_hi):
             t = a * TOK + r // HR
-            dk, dv, _, _, _ = _kv_rows_step(dk, dv, kt, vt, krow, kmask, t,
-                                            (g * IPG + ii) * HPI + hl, (t < Tq) & (hl < HPI),
-                                            q_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr,
-                                            qkb_ptr, s_qt, s_qh, s_lt, scale, D, UPCAST, IEEE)
+            rows = row_filter((t < Tq) & (hl < HPI), t, g * IPG + ii, full_ptr, HI, FULL)
+            dk, dv, _, _ = _kv_rows_step(dk, dv, kt, vt, krow, kmask, t,
+                                         (g * IPG + ii) * HPI + hl, rows,
+                                         q_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, qkb_ptr,
+                                         s_qt, s_qh, s_lt, scale, D, UPCAST, IEEE)
     tl.store(dk_ptr + off, (dk * scale).to(dk_ptr.dtype.element_ty), mask=kmask[:, None])
     tl.store(dv_ptr + off, dv.to(dv_ptr.dtype.element_ty), mask=kmask[:, None])
 
 
 @triton.jit
 def sum_partials_kernel(
-    pdq_ptr, bidx_ptr, qpos_ptr, dq_ptr, sub_t0_ptr, sc0, sc1, s_bt, s_bh, s_qt, s_qh,
+    pdq_ptr, bidx_ptr, qpos_ptr, full_ptr, dq_ptr, sub_t0_ptr, sc0, sc1, s_bt, s_bh, s_qt, s_qh,
     HI: tl.constexpr, TOPK: tl.constexpr, NSUB: tl.constexpr, HPI: tl.constexpr,
-    HR: tl.constexpr, TOK: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+    HR: tl.constexpr, TOK: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, FULL: tl.constexpr,
 ):
     """``dq[t, h] = sum`` of the row's (slot, sub-tile) partials, in slot order (dQ, dq_idx),
-    for the tokens of sub-chunks ``sc0 .. sc1 - 1``."""
+    for the tokens of sub-chunks ``sc0 .. sc1 - 1`` (rows kept by ``FULL``)."""
     t0 = tl.load(sub_t0_ptr + sc0)
-    t, h, valid, dq, _ = combine_rows(pdq_ptr, pdq_ptr, bidx_ptr, qpos_ptr, tl.program_id(0),
-                                      tl.program_id(1), t0, tl.load(sub_t0_ptr + sc1) - t0,
-                                      s_bt, s_bh, HI, TOPK, NSUB, HPI, HR, TOK, D, BN, False)
+    t, h, valid, dq, _ = combine_rows(pdq_ptr, pdq_ptr, bidx_ptr, qpos_ptr, full_ptr,
+                                      tl.program_id(0), tl.program_id(1), t0,
+                                      tl.load(sub_t0_ptr + sc1) - t0, s_bt, s_bh, HI, TOPK, NSUB,
+                                      HPI, HR, TOK, D, BN, False, FULL)
     d = tl.arange(0, D)
     tl.store(dq_ptr + t.to(tl.int64)[:, None] * s_qt + h[:, None] * s_qh + d[None, :],
              dq.to(dq_ptr.dtype.element_ty), mask=valid[:, None])
@@ -235,29 +242,35 @@ def attention_backward(
     scale = float(softmax_scale)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0))
     tok, hr = query_tiling(hpi, GATHER_ROWS)
+    rev = None
+    if sparse:
+        block_idx = block_idx.contiguous()
+        rev = build_reverse_index(block_idx, q_pos, q_kbase, Tk, block_size, Hkv)
+    # Dense kernels: every row in dense mode; in sparse mode the rows whose selection is their
+    # whole causal prefix, with dK/dV into fp32 buffers the sparse items then add to.
+    dq = torch.empty_like(q)
+    dk, dv = (torch.empty(x.shape, dtype=torch.float32 if sparse else x.dtype, device=x.device)
+              for x in (k, v))
+    full = q_pos if rev is None else rev.full
+    which = ALL_ROWS if rev is None else FULL_ROWS
+    _attn_bwd_dq_dense_kernel[(triton.cdiv(Tq, tok), hi)](
+        q, k, v, dout, lse, delta, q_pos, q_kbase, full, dq, Tq, Tk, scale, *strides,
+        HPI=hpi, HR=hr, TOK=tok, IPG=ipg, D=D, BN=DENSE_KEY_TILE, HI=hi, FULL=which,
+        UPCAST=upcast, IEEE=ieee, num_warps=warps_for(tok * hr),
+    )
+    ks = KEY_SUBTILE
+    present = None if rev is None else rev.full.any(1)
+    qt_lo, qt_hi = query_tile_ranges(q_pos, q_kbase, Tk, tok, ks, present)
+    _attn_bwd_dkdv_dense_kernel[(triton.cdiv(Tk, ks), Hkv)](
+        q, k, v, dout, lse, delta, q_pos, q_kbase, full, dk, dv, qt_lo, qt_hi, Tq, Tk, scale,
+        *strides, HPI=hpi, HR=hr, TOK=tok, IPG=ipg, D=D, KS=ks, HI=hi, FULL=which,
+        UPCAST=upcast, IEEE=ieee, num_warps=warps_for(max(tok * hr, ks)),
+    )
     if not sparse:
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        _attn_bwd_dq_dense_kernel[(triton.cdiv(Tq, tok), hi)](
-            q, k, v, dout, lse, delta, q_pos, q_kbase, dq, Tq, Tk, scale, *strides,
-            HPI=hpi, HR=hr, TOK=tok, IPG=ipg, D=D, BN=DENSE_KEY_TILE, UPCAST=upcast, IEEE=ieee,
-            num_warps=warps_for(tok * hr),
-        )
-        ks = KEY_SUBTILE
-        qt_lo, qt_hi = query_tile_ranges(q_pos, q_kbase, Tk, tok, ks)
-        _attn_bwd_dkdv_dense_kernel[(triton.cdiv(Tk, ks), Hkv)](
-            q, k, v, dout, lse, delta, q_pos, q_kbase, dk, dv, qt_lo, qt_hi, Tq, Tk, scale,
-            *strides, HPI=hpi, HR=hr, TOK=tok, IPG=ipg, D=D, KS=ks, UPCAST=upcast, IEEE=ieee,
-            num_warps=warps_for(max(tok * hr, ks)),
-        )
         return dq, dk, dv
-    block_idx = block_idx.contiguous()
     top_k = block_idx.shape[2]
     ks = min(block_size, KEY_SUBTILE)
     nsub = block_size // ks
-    dq = torch.empty_like(q)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-    rev = build_reverse_index(block_idx, q_pos, q_kbase, Tk, block_size, Hkv)
     per_query = Hq * top_k * nsub * D * q.element_size()
     chunks = chunk_count(Tq * per_query, partial_budget(q.numel() * q.element_size()))
     rows = chunk_tokens_bound(rev, chunks)
@@ -271,8 +284,9 @@ def attention_backward(
             SUB=SUB_CHUNKS, UPCAST=upcast, IEEE=ieee, num_warps=warps_for(max(tok * hr, ks)),
         )
         sum_partials_kernel[(triton.cdiv(rows, tok), hi)](
-            part, block_idx, q_pos, dq, rev.sub_t0, sc0, sc0 + step, block_idx.stride(0),
-            block_idx.stride(1), q.stride(0), q.stride(1), HI=hi, TOPK=top_k, NSUB=nsub,
-            HPI=hpi, HR=hr, TOK=tok, D=D, BN=block_size, num_warps=warps_for(tok * hr),
+            part, block_idx, q_pos, rev.full, dq, rev.sub_t0, sc0, sc0 + step,
+            block_idx.stride(0), block_idx.stride(1), q.stride(0), q.stride(1), HI=hi,
+            TOPK=top_k, NSUB=nsub, HPI=hpi, HR=hr, TOK=tok, D=D, BN=block_size,
+            FULL=SPARSE_ROWS, num_warps=warps_for(tok * hr),
         )
     return dq, dk.to(k.dtype), dv.to(v.dtype)

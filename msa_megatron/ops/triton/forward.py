@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    DENSE_KEY_TILE, DENSE_ROWS, GATHER_ROWS, dot_flags, mma, next_pow2, partial_budget,
-    persistent_programs, support_mask,
+    ALL_ROWS, DENSE_KEY_TILE, DENSE_ROWS, FULL_ROWS, GATHER_ROWS, SPARSE_ROWS, dot_flags, mma,
+    next_pow2, partial_budget, persistent_programs, row_filter, support_mask,
 )
 from .reverse_index import (
     SUB_CHUNKS, bucket_rows, build_reverse_index, chunk_count, chunk_tokens_bound, item_pairs,
@@ -31,13 +31,14 @@ from .reverse_index import (
 
 
 @triton.jit
-def query_rows(tile, i, Tq, qpos_ptr, qkb_ptr, HPI: tl.constexpr, HR: tl.constexpr,
-               TOK: tl.constexpr):
-    """Rows of a query-outer program: ``(t, h, valid, pos, kbase)``, each ``[TOK*HR]``."""
+def query_rows(tile, i, Tq, qpos_ptr, qkb_ptr, full_ptr, HPI: tl.constexpr, HR: tl.constexpr,
+               TOK: tl.constexpr, HI: tl.constexpr, FULL: tl.constexpr):
+    """Rows of a query-outer program: ``(t, h, valid, pos, kbase)``, each ``[TOK*HR]``
+    (``valid`` filtered by :func:`._common.row_filter`)."""
     r = tl.arange(0, TOK * HR)
     t = tile * TOK + r // HR
     hl = r % HR
-    valid = (t < Tq) & (hl < HPI)
+    valid = row_filter((t < Tq) & (hl < HPI), t, i, full_ptr, HI, FULL)
     pos = tl.load(qpos_ptr + t, mask=valid, other=-1)
     kbase = tl.load(qkb_ptr + t, mask=valid, other=0)
     return t, i * HPI + hl, valid, pos, kbase
@@ -78,16 +79,18 @@ def _fwd_step(q, m, l, acc, k_ptr, v_ptr, krow, kmask, inside, g, s_kt, s_kh, sc
 
 @triton.jit
 def _attn_fwd_dense_kernel(
-    q_ptr, k_ptr, v_ptr, qpos_ptr, qkb_ptr, o_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, qpos_ptr, qkb_ptr, full_ptr, o_ptr, lse_ptr,
     Tq, Tk, scale,
     s_qt, s_qh, s_kt, s_kh, s_lt,
     HPI: tl.constexpr, HR: tl.constexpr, TOK: tl.constexpr, IPG: tl.constexpr,
-    D: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    D: tl.constexpr, BN: tl.constexpr, HI: tl.constexpr, FULL: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
     R: tl.constexpr = TOK * HR
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # late (long) rows first
     i = tl.program_id(1)
-    t, h, valid, pos, kbase = query_rows(tile, i, Tq, qpos_ptr, qkb_ptr, HPI, HR, TOK)
+    t, h, valid, pos, kbase = query_rows(tile, i, Tq, qpos_ptr, qkb_ptr, full_ptr, HPI, HR, TOK,
+                                         HI, FULL)
     d = tl.arange(0, D)
     q_off = t.to(tl.int64)[:, None] * s_qt + h[:, None] * s_qh + d[None, :]
     q = tl.load(q_ptr + q_off, mask=valid[:, None], other=0.0)
@@ -163,20 +166,21 @@ def _attn_fwd_blocks_kernel(
 
 
 @triton.jit
-def combine_rows(part_ptr, plse_ptr, bidx_ptr, qpos_ptr, tile, i, t0, Tc, s_bt, s_bh,
+def combine_rows(part_ptr, plse_ptr, bidx_ptr, qpos_ptr, full_ptr, tile, i, t0, Tc, s_bt, s_bh,
                  HI: tl.constexpr, TOPK: tl.constexpr, NSUB: tl.constexpr, HPI: tl.constexpr,
                  HR: tl.constexpr, TOK: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-                 WEIGHTED: tl.constexpr):
+                 WEIGHTED: tl.constexpr, FULL: tl.constexpr):
     """Merge the ``TOPK * NSUB`` partial rows (slot, sub-tile) of ``TOK`` tokens x ``HR`` heads
     of index head ``i``: by their LSE (``WEIGHTED``, forward) or by plain sum (gradients).
     Returns ``(t, h, valid, value [R, D] fp32, lse [R])``; slots without a valid block (never
-    written) are skipped."""
+    written) are skipped; rows filtered out by ``FULL`` (:func:`._common.row_filter`) are not
+    valid."""
     R: tl.constexpr = TOK * HR
     r = tl.arange(0, R)
     tc = tile * TOK + r // HR
     hl = r % HR
-    valid = (tc < Tc) & (hl < HPI)
     t = t0 + tc
+    valid = row_filter((tc < Tc) & (hl < HPI), t, i, full_ptr, HI, FULL)
     pos = tl.load(qpos_ptr + t, mask=valid, other=-1)
     d = tl.arange(0, D)
     lse = tl.zeros([R], tl.float32)
@@ -210,16 +214,17 @@ def combine_rows(part_ptr, plse_ptr, bidx_ptr, qpos_ptr, tile, i, t0, Tc, s_bt, 
 
 @triton.jit
 def _attn_combine_kernel(
-    po_ptr, plse_ptr, bidx_ptr, qpos_ptr, o_ptr, lse_ptr, sub_t0_ptr, sc0, sc1,
+    po_ptr, plse_ptr, bidx_ptr, qpos_ptr, full_ptr, o_ptr, lse_ptr, sub_t0_ptr, sc0, sc1,
     s_bt, s_bh, s_qt, s_qh, s_lt,
     HI: tl.constexpr, TOPK: tl.constexpr, HPI: tl.constexpr, HR: tl.constexpr,
-    TOK: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+    TOK: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, FULL: tl.constexpr,
 ):
     i = tl.program_id(1)
     t0 = tl.load(sub_t0_ptr + sc0)
-    t, h, valid, out, lse = combine_rows(po_ptr, plse_ptr, bidx_ptr, qpos_ptr, tl.program_id(0),
-                                         i, t0, tl.load(sub_t0_ptr + sc1) - t0, s_bt, s_bh, HI,
-                                         TOPK, 1, HPI, HR, TOK, D, BN, True)
+    t, h, valid, out, lse = combine_rows(po_ptr, plse_ptr, bidx_ptr, qpos_ptr, full_ptr,
+                                         tl.program_id(0), i, t0,
+                                         tl.load(sub_t0_ptr + sc1) - t0, s_bt, s_bh, HI, TOPK, 1,
+                                         HPI, HR, TOK, D, BN, True, FULL)
     d = tl.arange(0, D)
     t64 = t.to(tl.int64)
     tl.store(o_ptr + t64[:, None] * s_qt + h[:, None] * s_qh + d[None, :],
@@ -264,19 +269,24 @@ def attention_forward(
         return out, lse
     hpi = Hq // hi
     upcast, ieee = dot_flags(q.dtype)
-    if block_idx is None:
-        tok, hr = query_tiling(hpi, DENSE_ROWS)
-        _attn_fwd_dense_kernel[(triton.cdiv(Tq, tok), hi)](
-            q, k, v, q_pos, q_kbase, out, lse, Tq, Tk, float(softmax_scale),
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
-            HPI=hpi, HR=hr, TOK=tok, IPG=hi // Hkv, D=D, BN=DENSE_KEY_TILE, UPCAST=upcast,
-            IEEE=ieee, num_warps=warps_for(tok * hr),
-        )
+    rev = None
+    if block_idx is not None:
+        block_idx = block_idx.contiguous()
+        rev = build_reverse_index(block_idx, q_pos, q_kbase, Tk, block_size, Hkv)
+    # Dense kernel: every row in dense mode, the rows whose selection is their whole causal
+    # prefix in sparse mode.
+    tok, hr = query_tiling(hpi, DENSE_ROWS)
+    _attn_fwd_dense_kernel[(triton.cdiv(Tq, tok), hi)](
+        q, k, v, q_pos, q_kbase, q_pos if rev is None else rev.full, out, lse, Tq, Tk,
+        float(softmax_scale), q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
+        HPI=hpi, HR=hr, TOK=tok, IPG=hi // Hkv, D=D, BN=DENSE_KEY_TILE, HI=hi,
+        FULL=ALL_ROWS if rev is None else FULL_ROWS, UPCAST=upcast, IEEE=ieee,
+        num_warps=warps_for(tok * hr),
+    )
+    if rev is None:
         return out, lse
     tok, hr = query_tiling(hpi, GATHER_ROWS)
-    block_idx = block_idx.contiguous()
     top_k = block_idx.shape[2]
-    rev = build_reverse_index(block_idx, q_pos, q_kbase, Tk, block_size, Hkv)
     per_query = Hq * top_k * (D * q.element_size() + 4)
     chunks = chunk_count(Tq * per_query, partial_budget(q.numel() * q.element_size()))
     rows = chunk_tokens_bound(rev, chunks)
@@ -293,9 +303,9 @@ def attention_forward(
             num_warps=warps_for(tok * hr),
         )
         _attn_combine_kernel[(triton.cdiv(rows, tok), hi)](
-            part, part_lse, block_idx, q_pos, out, lse, rev.sub_t0, sc0, sc0 + step,
+            part, part_lse, block_idx, q_pos, rev.full, out, lse, rev.sub_t0, sc0, sc0 + step,
             block_idx.stride(0), block_idx.stride(1), q.stride(0), q.stride(1), lse.stride(0),
-            HI=hi, TOPK=top_k, HPI=hpi, HR=hr, TOK=tok, D=D, BN=block_size,
+            HI=hi, TOPK=top_k, HPI=hpi, HR=hr, TOK=tok, D=D, BN=block_size, FULL=SPARSE_ROWS,
             num_warps=warps_for(tok * hr),
         )
     return out, lse

@@ -30,8 +30,9 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    DENSE_KEY_TILE, DENSE_ROWS, GATHER_ROWS, KEY_SUBTILE, KL_ROWS, dot_flags, mma,
-    partial_budget, persistent_programs, support_mask, token_mean,
+    ALL_ROWS, DENSE_KEY_TILE, DENSE_ROWS, FULL_ROWS, GATHER_ROWS, KEY_SUBTILE, KL_ROWS,
+    SPARSE_ROWS, dot_flags, mma, partial_budget, persistent_programs, row_filter, support_mask,
+    token_mean,
 )
 from ._isolation import log_sum_exp, nonfinite, support_mma
 from .backward import sum_partials_kernel
@@ -84,20 +85,22 @@ def _kl_tile(kt, kit, krow, kmask, t, i, hl, valid, q_ptr, lse_ptr, qi_ptr, lsez
 
 @triton.jit
 def _kl_rows_dense_kernel(
-    q_ptr, k_ptr, lse_ptr, qi_ptr, ki_ptr, qpos_ptr, qkb_ptr, kl_ptr, lsez_ptr, dqi_ptr,
+    q_ptr, k_ptr, lse_ptr, qi_ptr, ki_ptr, qpos_ptr, qkb_ptr, full_ptr, kl_ptr, lsez_ptr, dqi_ptr,
     Tq, Tk, scale, iscale, grad_scale,
     s_qt, s_qh, s_kt, s_kh, s_lt, s_it, s_ih, s_jt, s_jh, s_zt,
     HPI: tl.constexpr, HR: tl.constexpr, TOK: tl.constexpr, IPG: tl.constexpr,
-    HPK: tl.constexpr, D: tl.constexpr, DI: tl.constexpr, BN: tl.constexpr,
-    GRAD: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    HPK: tl.constexpr, D: tl.constexpr, DI: tl.constexpr, BN: tl.constexpr, HI: tl.constexpr,
+    FULL: tl.constexpr, GRAD: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Dense mode, query-outer: ``lse_z``, per-token KL and ``dq_idx`` over the causal row."""
+    """Query-outer over the causal row (dense mode; rows marked full in sparse mode):
+    ``lse_z``, per-token KL and ``dq_idx``."""
     R: tl.constexpr = TOK * HR
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     i = tl.program_id(1)
     g = i // IPG
     j = i // HPK
-    t, h, valid, pos, kbase = query_rows(tile, i, Tq, qpos_ptr, qkb_ptr, HPI, HR, TOK)
+    t, h, valid, pos, kbase = query_rows(tile, i, Tq, qpos_ptr, qkb_ptr, full_ptr, HPI, HR, TOK,
+                                         HI, FULL)
     hl = h - i * HPI
     first = valid & (hl == 0)
     ii = i + 0 * hl
@@ -187,13 +190,13 @@ def _kl_lsez_blocks_kernel(
 @triton.jit
 def _kl_keys_kernel(
     q_ptr, k_ptr, lse_ptr, qi_ptr, ki_ptr, lsez_ptr, qpos_ptr, qkb_ptr, part_ptr, pkl_ptr,
-    pdqi_ptr, pair_ptr, off_ptr, starts_ptr, meta_ptr, sub_t0_ptr, qt_lo_ptr, qt_hi_ptr,
-    sc0, sc1, Tq, Tk, scale, iscale, grad_scale,
+    pdqi_ptr, pair_ptr, off_ptr, starts_ptr, meta_ptr, sub_t0_ptr, full_ptr, qt_lo_ptr,
+    qt_hi_ptr, sc0, sc1, Tq, Tk, scale, iscale, grad_scale,
     s_qt, s_qh, s_kt, s_kh, s_lt, s_it, s_ih, s_jt, s_jh, s_zt, s_pu,
     HI: tl.constexpr, TOPK: tl.constexpr, HPI: tl.constexpr, HR: tl.constexpr,
     TOK: tl.constexpr, IPG: tl.constexpr, HPK: tl.constexpr, UNIT: tl.constexpr,
     D: tl.constexpr, DI: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr, SUB: tl.constexpr,
-    SPARSE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    SPARSE: tl.constexpr, FULL: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
     """Index-key gradient of key rows, one fp32 partial per unit (``part [units, Tk, DI]``).
 
@@ -201,7 +204,7 @@ def _kl_keys_kernel(
     sub-chunks ``sc0 .. sc1 - 1``, adds to ``part`` (chunks run one after the other) and writes
     per-pair partials of the KL (``pkl``) and of ``dq_idx`` (``pdqi``, rows
     ``flat * NSUB + sub``, relative to the chunk). Dense: one program per key tile and unit,
-    over the query tiles that can see the tile; writes ``part``.
+    over the query tiles that can see the tile (rows filtered by ``FULL``); writes ``part``.
     """
     UPG: tl.constexpr = IPG // UNIT
     NSUB: tl.constexpr = BN // KS
@@ -258,22 +261,23 @@ def _kl_keys_kernel(
         krow = n * KS + c
         kmask = krow < Tk
         k64 = krow.to(tl.int64)[:, None]
-        kt = tl.load(k_ptr + k64 * s_kt + g * s_kh + d[None, :], mask=kmask[:, None], other=0.0)
-        kit = tl.load(ki_ptr + k64 * s_jt + j * s_jh + di[None, :], mask=kmask[:, None], other=0.0)
-        dki = tl.zeros([KS, DI], tl.float32)
         a_lo = tl.load(qt_lo_ptr + n)
         a_hi = tl.load(qt_hi_ptr + n)
+        seen = kmask & (c < tl.where(a_lo < a_hi, KS, 0))  # no traffic if no row sees the tile
+        kt = tl.load(k_ptr + k64 * s_kt + g * s_kh + d[None, :], mask=seen[:, None], other=0.0)
+        kit = tl.load(ki_ptr + k64 * s_jt + j * s_jh + di[None, :], mask=seen[:, None],
+                      other=0.0)
+        dki = tl.zeros([KS, DI], tl.float32)
         for ii in range(UNIT):
             i = unit * UNIT + ii + 0 * r
             for a in range(a_lo, a_hi):
                 t = a * TOK + r // HR
-                dz, _, qi, on, _ = _kl_tile(kt, kit, krow, kmask, t, i, hl,
-                                            (t < Tq) & (hl < HPI), q_ptr, lse_ptr, qi_ptr,
-                                            lsez_ptr, qpos_ptr, qkb_ptr, s_qt, s_qh, s_lt, s_it,
-                                            s_ih, s_zt, scale, iscale, HPI, HR, TOK, D, DI,
-                                            UPCAST, IEEE)
-                dki += support_mma(tl.trans(dz.to(qi.dtype)), qi, nonfinite(qi), tl.trans(on),
-                                   UPCAST, IEEE)
+                rows = row_filter((t < Tq) & (hl < HPI), t, i, full_ptr, HI, FULL)
+                dz, _, qi, _ = _kl_tile(kt, kit, krow, kmask, t, i, hl, rows,
+                                        q_ptr, lse_ptr, qi_ptr, lsez_ptr, qpos_ptr, qkb_ptr,
+                                        s_qt, s_qh, s_lt, s_it, s_ih, s_zt, scale, iscale,
+                                        HPI, HR, TOK, D, DI, UPCAST, IEEE)
+                dki += mma(tl.trans(dz.to(qi.dtype)), qi, UPCAST, IEEE)
         tl.store(part_ptr + unit.to(tl.int64) * s_pu + k64 * DI + di[None, :], dki * out_scale,
                  mask=kmask[:, None])
 
@@ -317,36 +321,13 @@ def kl_loss(
                q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), k_idx.stride(1))
     # Gradients stay fp32: ~1/(N*Hi) in size, they would underflow in fp16.
     dq_idx = torch.empty_like(q_idx, dtype=torch.float32) if compute_grad else q_idx.new_empty((0,))
-    if block_idx is None:
-        ks = KEY_SUBTILE
-        kl_tok = torch.empty((Tq, Hi), dtype=torch.float32, device=dev)
-        lse_z = torch.empty_like(kl_tok)
-        rows_tok, rows_hr = query_tiling(hpi, DENSE_ROWS)
-        _kl_rows_dense_kernel[(triton.cdiv(Tq, rows_tok), Hi)](
-            q, k, lse, q_idx, k_idx, q_pos, q_kbase, kl_tok, lse_z,
-            dq_idx if compute_grad else q_idx, Tq, Tk, *scales, *strides, lse_z.stride(0),
-            HPI=hpi, HR=rows_hr, TOK=rows_tok, IPG=ipg, HPK=hpk, D=D, DI=Di, BN=DENSE_KEY_TILE,
-            GRAD=compute_grad, UPCAST=upcast, IEEE=ieee, num_warps=warps_for(rows_tok * rows_hr),
-        )
-        value = kl_tok.sum() * kl_scale
-        if not compute_grad:
-            return value, dq_idx, k_idx.new_empty((0,))
-        part = torch.empty((n_units, Tk, Di), dtype=torch.float32, device=dev)
-        qt_lo, qt_hi = query_tile_ranges(q_pos, q_kbase, Tk, tok, ks)
-        _kl_keys_kernel[(triton.cdiv(Tk, ks), n_units)](
-            q, k, lse, q_idx, k_idx, lse_z, q_pos, q_kbase, part, part, part, q_pos, q_pos, q_pos,
-            q_pos, q_pos, qt_lo, qt_hi, 0, 0, Tq, Tk, *scales, *strides, lse_z.stride(0),
-            part.stride(0), HI=Hi, TOPK=1, HPI=hpi, HR=hr, TOK=tok, IPG=ipg, HPK=hpk, UNIT=unit,
-            D=D, DI=Di, BN=ks, KS=ks, SUB=SUB_CHUNKS, SPARSE=False, UPCAST=upcast, IEEE=ieee,
-            num_warps=warps_for(max(tok * hr, ks)),
-        )
-    else:
+    rev = None
+    lse_z = torch.empty((Tq, Hi), dtype=torch.float32, device=dev)
+    if block_idx is not None:
         block_idx = block_idx.contiguous()
         top_k = block_idx.shape[2]
-        ks = min(block_size, KEY_SUBTILE)
-        nsub = block_size // ks
-        part = torch.zeros((n_units, Tk, Di), dtype=torch.float32, device=dev)
         rev = build_reverse_index(block_idx, q_pos, q_kbase, Tk, block_size, Hkv)
+        # Sparse pass A: the student's log-normaliser of the rows in the index.
         lse_z_part = torch.full((Tq, Hi, top_k), float("-inf"), dtype=torch.float32, device=dev)
         _kl_lsez_blocks_kernel[(persistent_programs(dev, rev.max_items),)](
             q_idx, k_idx, q_pos, q_kbase, lse_z_part, rev.pair, rev.item_cell, rev.cell_start,
@@ -355,36 +336,66 @@ def kl_loss(
             ROWS=KL_ROWS, SUB=SUB_CHUNKS, ITEM=rev.item_pairs, UPCAST=upcast, IEEE=ieee,
             num_warps=warps_for(KL_ROWS),
         )
-        lse_z = torch.logsumexp(lse_z_part, dim=2)
+        torch.logsumexp(lse_z_part, dim=2, out=lse_z)
         del lse_z_part
+    # Dense kernels: every row in dense mode, the rows whose selection is their whole causal
+    # prefix in sparse mode (dk_idx written for every key row; the sparse items add to it).
+    full = q_pos if rev is None else rev.full
+    which = ALL_ROWS if rev is None else FULL_ROWS
+    kl_tok = torch.zeros((Tq, Hi), dtype=torch.float32, device=dev)
+    rows_tok, rows_hr = query_tiling(hpi, DENSE_ROWS)
+    _kl_rows_dense_kernel[(triton.cdiv(Tq, rows_tok), Hi)](
+        q, k, lse, q_idx, k_idx, q_pos, q_kbase, full, kl_tok, lse_z,
+        dq_idx if compute_grad else q_idx, Tq, Tk, *scales, *strides, lse_z.stride(0),
+        HPI=hpi, HR=rows_hr, TOK=rows_tok, IPG=ipg, HPK=hpk, D=D, DI=Di, BN=DENSE_KEY_TILE,
+        HI=Hi, FULL=which, GRAD=compute_grad, UPCAST=upcast, IEEE=ieee,
+        num_warps=warps_for(rows_tok * rows_hr),
+    )
+    sums = [kl_tok.sum()]
+    part = None if rev is None else torch.zeros((n_units, Tk, Di), dtype=torch.float32,
+                                                device=dev)
+    if compute_grad:
+        part = torch.empty((n_units, Tk, Di), dtype=torch.float32, device=dev)
+        ks = KEY_SUBTILE
+        present = None if rev is None else rev.full.any(1)
+        qt_lo, qt_hi = query_tile_ranges(q_pos, q_kbase, Tk, tok, ks, present)
+        _kl_keys_kernel[(triton.cdiv(Tk, ks), n_units)](
+            q, k, lse, q_idx, k_idx, lse_z, q_pos, q_kbase, part, part, part, q_pos, q_pos, q_pos,
+            q_pos, q_pos, full, qt_lo, qt_hi, 0, 0, Tq, Tk, *scales, *strides, lse_z.stride(0),
+            part.stride(0), HI=Hi, TOPK=1, HPI=hpi, HR=hr, TOK=tok, IPG=ipg, HPK=hpk, UNIT=unit,
+            D=D, DI=Di, BN=ks, KS=ks, SUB=SUB_CHUNKS, SPARSE=False, FULL=which, UPCAST=upcast,
+            IEEE=ieee, num_warps=warps_for(max(tok * hr, ks)),
+        )
+    if rev is not None:
+        ks = min(block_size, KEY_SUBTILE)
+        nsub = block_size // ks
         per_query = Hi * top_k * nsub * (Di + 1) * 4
         chunks = chunk_count(Tq * per_query, partial_budget(q.numel() * q.element_size()))
         rows = chunk_tokens_bound(rev, chunks)
         pkl = torch.zeros(rows * Hi * top_k * nsub, dtype=torch.float32, device=dev)
         pdqi = torch.empty((rows * Hi * top_k * nsub, Di), dtype=torch.float32, device=dev)
-        kl_rows = []
         step = SUB_CHUNKS // chunks
         for sc0 in range(0, SUB_CHUNKS, step):
             if sc0:
                 pkl.zero_()
             _kl_keys_kernel[(persistent_programs(dev, n_units * Tk * nsub),)](
                 q, k, lse, q_idx, k_idx, lse_z, q_pos, q_kbase, part, pkl, pdqi, rev.pair,
-                rev.off, rev.starts, rev.meta, rev.sub_t0, q_pos, q_pos, sc0, sc0 + step, Tq, Tk,
-                *scales, *strides, lse_z.stride(0), part.stride(0),
+                rev.off, rev.starts, rev.meta, rev.sub_t0, rev.full, q_pos, q_pos, sc0, sc0 + step,
+                Tq, Tk, *scales, *strides, lse_z.stride(0), part.stride(0),
                 HI=Hi, TOPK=top_k, HPI=hpi, HR=hr, TOK=tok, IPG=ipg, HPK=hpk, UNIT=unit, D=D,
-                DI=Di, BN=block_size, KS=ks, SUB=SUB_CHUNKS, SPARSE=True, UPCAST=upcast,
-                IEEE=ieee, num_warps=warps_for(max(tok * hr, ks)),
+                DI=Di, BN=block_size, KS=ks, SUB=SUB_CHUNKS, SPARSE=True, FULL=SPARSE_ROWS,
+                UPCAST=upcast, IEEE=ieee, num_warps=warps_for(max(tok * hr, ks)),
             )
-            kl_rows.append(pkl.sum())
+            sums.append(pkl.sum())
             if compute_grad:
                 sum_partials_kernel[(triton.cdiv(rows, GATHER_ROWS), Hi)](
-                    pdqi, block_idx, q_pos, dq_idx, rev.sub_t0, sc0, sc0 + step,
+                    pdqi, block_idx, q_pos, rev.full, dq_idx, rev.sub_t0, sc0, sc0 + step,
                     block_idx.stride(0), block_idx.stride(1), q_idx.stride(0), q_idx.stride(1),
                     HI=Hi, TOPK=top_k, NSUB=nsub, HPI=1, HR=1, TOK=GATHER_ROWS, D=Di,
-                    BN=block_size, num_warps=warps_for(GATHER_ROWS),
+                    BN=block_size, FULL=SPARSE_ROWS, num_warps=warps_for(GATHER_ROWS),
                 )
-        value = torch.stack(kl_rows).sum() * kl_scale
-        if not compute_grad:
-            return value, dq_idx, k_idx.new_empty((0,))
+    value = torch.stack(sums).sum() * kl_scale
+    if not compute_grad:
+        return value, dq_idx, k_idx.new_empty((0,))
     dk_idx = part.view(Hik, hpk // unit, Tk, Di).sum(1).transpose(0, 1).contiguous()
     return value, dq_idx, dk_idx

@@ -65,6 +65,8 @@ class ReverseIndex:
             ``item_cell[w] = sc * max_buckets + bucket`` (:func:`item_pairs`).
         cell_start: ``[SUB_CHUNKS * max_buckets + 1]`` int32 first item of each such cell.
         sub_item: ``[SUB_CHUNKS + 1]`` int32 first item of each sub-chunk (last = item count).
+        full: ``[Tq, Hi]`` int8, 1 for rows whose selection is their whole causal prefix: they
+            are left out of the index and go through the dense kernels.
         ipg: index heads per KV group (buckets per KV group and start row).
         item_pairs: pairs per item (``ITEM_PAIRS`` when built).
         max_items, max_buckets, tq, max_tiles: host-side bounds (grid and buffer sizes).
@@ -78,6 +80,7 @@ class ReverseIndex:
     item_cell: torch.Tensor
     cell_start: torch.Tensor
     sub_item: torch.Tensor
+    full: torch.Tensor
     ipg: int
     item_pairs: int
     max_items: int
@@ -86,16 +89,18 @@ class ReverseIndex:
     max_tiles: int
 
 @triton.jit
-def _pair_buckets(bidx_ptr, qpos_ptr, qkb_ptr, cid_ptr, e, t, Tq, NS,
+def _pair_buckets(bidx_ptr, qpos_ptr, qkb_ptr, cid_ptr, full_ptr, e, t, Tq, NS,
                   HI: tl.constexpr, TOPK: tl.constexpr, BLK: tl.constexpr, IPG: tl.constexpr):
-    """Bucket of each entry ``e`` (flat pair index, token ``t``) and whether it is used."""
+    """Bucket of each entry ``e`` (flat pair index, token ``t``) and whether it is used (rows
+    marked full go through the dense kernels and are left out)."""
     inb = t < Tq
     blk = tl.load(bidx_ptr + e, mask=inb, other=-1)
     pos = tl.load(qpos_ptr + t, mask=inb, other=-1)
     kb = tl.load(qkb_ptr + t, mask=inb, other=0)
-    used = inb & (blk >= 0) & (blk * BLK <= pos)
-    c = tl.load(cid_ptr + kb + blk * BLK, mask=used, other=0)
     head = e // TOPK % HI
+    full = tl.load(full_ptr + e // TOPK, mask=inb, other=1)
+    used = inb & (blk >= 0) & (blk * BLK <= pos) & (full == 0)
+    c = tl.load(cid_ptr + kb + blk * BLK, mask=used, other=0)
     bucket = ((head // IPG) * NS + c) * IPG + head % IPG
     return bucket, used
 
@@ -122,7 +127,7 @@ def _starts_kernel(flag_ptr, cid_ptr, starts_ptr, Tk, R: tl.constexpr):
 
 
 @triton.jit
-def _count_kernel(bidx_ptr, qpos_ptr, qkb_ptr, cid_ptr, meta_ptr, cnt_ptr, Tq,
+def _count_kernel(bidx_ptr, qpos_ptr, qkb_ptr, cid_ptr, full_ptr, meta_ptr, cnt_ptr, Tq,
                   HI: tl.constexpr, TOPK: tl.constexpr, BLK: tl.constexpr, IPG: tl.constexpr,
                   R: tl.constexpr):
     tile = tl.program_id(0)
@@ -135,14 +140,15 @@ def _count_kernel(bidx_ptr, qpos_ptr, qkb_ptr, cid_ptr, meta_ptr, cnt_ptr, Tq,
         for a in range(e0, e1, R):
             e = a + tl.arange(0, R)
             t = e // (HI * TOPK)
-            bucket, used = _pair_buckets(bidx_ptr, qpos_ptr, qkb_ptr, cid_ptr, e, t,
+            bucket, used = _pair_buckets(bidx_ptr, qpos_ptr, qkb_ptr, cid_ptr, full_ptr, e, t,
                                          tl.minimum(Tq, (tile + 1) * TS), NS, HI, TOPK, BLK,
                                          IPG)
             tl.atomic_add(cnt_ptr + bucket.to(tl.int64) * NT + tile, 1, mask=used & (e < e1))
 
 
 @triton.jit
-def _scatter_kernel(bidx_ptr, qpos_ptr, qkb_ptr, cid_ptr, meta_ptr, cur_ptr, pair_ptr, Tq,
+def _scatter_kernel(bidx_ptr, qpos_ptr, qkb_ptr, cid_ptr, full_ptr, meta_ptr, cur_ptr, pair_ptr,
+                    Tq,
                     HI: tl.constexpr, TOPK: tl.constexpr, BLK: tl.constexpr, IPG: tl.constexpr,
                     R: tl.constexpr, TB: tl.constexpr):
     """One program per tile, ``TB`` tokens per step in token order: stable within a cell."""
@@ -157,8 +163,8 @@ def _scatter_kernel(bidx_ptr, qpos_ptr, qkb_ptr, cid_ptr, meta_ptr, cur_ptr, pai
         for t0 in range(tile * TS, t1, TB):
             t = t0 + r // per
             e = t * per + r % per
-            bucket, used = _pair_buckets(bidx_ptr, qpos_ptr, qkb_ptr, cid_ptr, e, t, t1, NS, HI,
-                                         TOPK, BLK, IPG)
+            bucket, used = _pair_buckets(bidx_ptr, qpos_ptr, qkb_ptr, cid_ptr, full_ptr, e, t, t1,
+                                         NS, HI, TOPK, BLK, IPG)
             used = used & (r < TB * per)
             same = (bucket[:, None] == bucket[None, :]) & used[:, None] & used[None, :]
             rank = tl.sum((same & (r[None, :] < r[:, None])).to(tl.int32), axis=1)
@@ -211,6 +217,20 @@ def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _full_rows(block_idx: torch.Tensor, q_pos: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``[Tq, Hi]`` int8: 1 where the row's selection holds every block of its causal prefix
+    (always so when it has at most ``k`` blocks): the dense kernels compute such rows exactly,
+    without partials. Any layout: only the row's own selection and position count."""
+    Tq, Hi, K = block_idx.shape
+    blk = block_idx.to(torch.int64)
+    own = (q_pos.to(torch.int64) // block_size)[:, None, None]
+    inside = (blk >= 0) & (blk <= own) & (blk < K)
+    present = torch.zeros((Tq, Hi, K + 1), dtype=torch.bool, device=block_idx.device)
+    present.scatter_(2, torch.where(inside, blk, K), True)
+    need = torch.arange(K, device=block_idx.device)[None, None, :] <= own
+    return ((present[:, :, :K] | ~need).all(2) & (own[:, :, 0] < K)).to(torch.int8)
+
+
 def _build(block_idx, q_pos, q_kbase, num_keys, block_size, num_kv_heads):
     Tq, Hi, K = block_idx.shape
     dev = block_idx.device
@@ -240,7 +260,8 @@ def _build(block_idx, q_pos, q_kbase, num_keys, block_size, num_kv_heads):
     counts = torch.zeros(cap, dtype=i32, device=dev)
     hpk = next_pow2(Hi * K)
     tb = max(1, _STEP_ENTRIES // hpk)
-    args = (block_idx, q_pos, q_kbase, cid, meta)
+    full = _full_rows(block_idx, q_pos, block_size)
+    args = (block_idx, q_pos, q_kbase, cid, full, meta)
     consts = dict(HI=Hi, TOPK=K, BLK=block_size, IPG=ipg)
     _count_kernel[(max_tiles,)](*args, counts, Tq, R=next_pow2(max(tb * hpk, 256)), **consts)
     off = _exclusive_cumsum(counts).to(i32)
@@ -268,8 +289,8 @@ def _build(block_idx, q_pos, q_kbase, num_keys, block_size, num_kv_heads):
                                         output_size=max_items).to(i32)
     del reps, n_items
     sub_item = cell_start[sc * nb_max]
-    return ReverseIndex(pair, off, starts, meta, sub_t0, item_cell, cell_start, sub_item, ipg,
-                        ITEM_PAIRS, max_items, nb_max, Tq, max_tiles)
+    return ReverseIndex(pair, off, starts, meta, sub_t0, item_cell, cell_start, sub_item, full,
+                        ipg, ITEM_PAIRS, max_items, nb_max, Tq, max_tiles)
 
 
 # id(block_idx) -> (weak reference, key, index); an entry dies with its tensor.
@@ -321,6 +342,7 @@ def chunk_tokens_bound(rev: ReverseIndex, chunks: int) -> int:
 
 def query_tile_ranges(
     q_pos: torch.Tensor, q_kbase: torch.Tensor, num_keys: int, tokens: int, key_tile: int,
+    present=None,
 ) -> tuple:
     """For dense mode: which query tiles can see each key tile (no host sync).
 
@@ -328,6 +350,7 @@ def query_tile_ranges(
     rows ``n*key_tile ..``. Returns ``(lo, hi)``, ``[cdiv(Tk, key_tile)]`` int32 each: the query
     tiles outside ``[lo, hi)`` have no key of tile ``n`` in any row's causal range. Exact for
     any layout (prefix max of the tiles' highest key row, suffix min of their lowest).
+    ``present [Tq]`` bool (optional): only these tokens count (the others see no key).
     """
     Tq = q_pos.numel()
     dev = q_pos.device
@@ -335,6 +358,9 @@ def query_tile_ranges(
     pad = n_tiles * tokens - Tq
     kb = q_kbase.to(torch.int64)
     reach = kb + q_pos.to(torch.int64)
+    if present is not None:
+        kb = torch.where(present, kb, num_keys)
+        reach = torch.where(present, reach, -1)
     kb = torch.nn.functional.pad(kb, (0, pad), value=num_keys)
     reach = torch.nn.functional.pad(reach, (0, pad), value=-1)
     reach_max = torch.cummax(reach.view(n_tiles, tokens).amax(1), 0).values

@@ -1,7 +1,9 @@
 """Reverse index of a selection, built on the GPU by a counting sort (no sort, no host sync).
 
 For every selected key block, the (token, index head, slot) pairs that chose it. One index is
-built per selection (per layer) and reused by the forward, the backward and the KL.
+built per selection (per layer) and reused by the forward, the backward and the KL. Rows
+(token, index head) whose selection holds every block of their causal prefix ("full" rows,
+e.g. the first ``k * B`` positions of a sequence) are left out: the dense kernels compute them.
 
 Buckets. A pair of token ``t`` and index head ``i`` selecting block ``b`` reads key rows
 ``s .. s + B - 1`` with ``s = q_kbase[t] + b * B`` (its start row). Start rows actually used
@@ -54,7 +56,8 @@ class ReverseIndex:
 
     Attributes:
         pair: ``[P]`` int32 flat pair ``(t * Hi + i) * k + slot`` in sorted order (unused
-            slots and blocks past the query's own block are left out; the tail is unused).
+            slots, blocks past the query's own block and full rows are left out; the tail is
+            unused).
         off: ``[cap + 1]`` int32 exclusive scan of the cell counts: cell ``bucket * NT + tile``
             holds ``pair[off[cell] : off[cell + 1]]``.
         starts: ``[Tk + 1]`` int32 start row of each dense start-row number ``c``.

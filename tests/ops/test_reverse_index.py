@@ -9,7 +9,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from msa_megatron.ops.layout import query_layout  # noqa: E402
+from msa_megatron.layout import query_layout  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

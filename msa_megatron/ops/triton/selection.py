@@ -132,7 +132,7 @@ def select_blocks_triton(
 
     Args:
         q_idx: ``[Tq, Hi, Di]`` fp16/bf16/fp32 index queries; k_idx: ``[Tk, Hik, Di]``.
-        q_pos, q_kbase: ``[Tq]`` int32 query layout (:mod:`msa_megatron.ops.layout`).
+        q_pos, q_kbase: ``[Tq]`` int32 query layout (:mod:`msa_megatron.layout`).
         block_size, top_k, init_blocks, local_blocks: selection options (validated by the caller).
         index_scale: logit scale (resolved float).
 

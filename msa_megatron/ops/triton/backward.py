@@ -143,11 +143,12 @@ def _attn_bwd_blocks_kernel(
             lo, hi = bucket_pairs(off_ptr, meta_ptr, gb * IPG + il, sc0, sc1, SUB)
             for p0 in range(lo, hi, TOK):
                 flat, t, i, hl, valid = pair_rows(pair_ptr, p0, hi, f0, HI, TOPK, HPI, HR, TOK)
-                dk, dv, ds, rr = _kv_rows_step(dk, dv, kt, vt, krow, kmask, t, i * HPI + hl,
-                                               valid, q_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr,
-                                               qkb_ptr, s_qt, s_qh, s_lt, scale, D, UPCAST, IEEE)
+                dk, dv, ds, inside, rr = _kv_rows_step(dk, dv, kt, vt, krow, kmask, t,
+                                                       i * HPI + hl, valid, q_ptr, do_ptr,
+                                                       lse_ptr, delta_ptr, qpos_ptr, qkb_ptr,
+                                                       s_qt, s_qh, s_lt, scale, D, UPCAST, IEEE)
                 reach = tl.maximum(reach, rr)
-                dq = mma(ds.to(kt.dtype), kt, UPCAST, IEEE) * scale
+                dq = support_mma(ds.to(kt.dtype), kt, k_bad, inside, UPCAST, IEEE) * scale
                 prow = (flat.to(tl.int64) * NSUB + w % NSUB) * HPI + hl
                 tl.store(pdq_ptr + prow[:, None] * D + d[None, :],
                          dq.to(pdq_ptr.dtype.element_ty), mask=valid[:, None])
@@ -187,10 +188,10 @@ def _attn_bwd_dkdv_dense_kernel(
         for a in range(a_lo, a_hi):
             t = a * TOK + r // HR
             rows = row_filter((t < Tq) & (hl < HPI), t, g * IPG + ii, full_ptr, HI, FULL)
-            dk, dv, _, _ = _kv_rows_step(dk, dv, kt, vt, krow, kmask, t,
-                                         (g * IPG + ii) * HPI + hl, rows,
-                                         q_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, qkb_ptr,
-                                         s_qt, s_qh, s_lt, scale, D, UPCAST, IEEE)
+            dk, dv, _, _, _ = _kv_rows_step(dk, dv, kt, vt, krow, kmask, t,
+                                            (g * IPG + ii) * HPI + hl, rows, q_ptr, do_ptr,
+                                            lse_ptr, delta_ptr, qpos_ptr, qkb_ptr, s_qt, s_qh,
+                                            s_lt, scale, D, UPCAST, IEEE)
     tl.store(dk_ptr + off, (dk * scale).to(dk_ptr.dtype.element_ty), mask=kmask[:, None])
     tl.store(dv_ptr + off, dv.to(dv_ptr.dtype.element_ty), mask=kmask[:, None])
 

@@ -25,6 +25,7 @@ from ._common import (
     ALL_ROWS, DENSE_KEY_TILE, DENSE_ROWS, FULL_ROWS, GATHER_ROWS, SPARSE_ROWS, dot_flags, mma,
     next_pow2, partial_budget, persistent_programs, row_filter, support_mask,
 )
+from ._isolation import log_sum_exp, nonfinite, support_mma
 from .reverse_index import (
     SUB_CHUNKS, bucket_rows, build_reverse_index, chunk_count, chunk_tokens_bound, item_pairs,
 )

@@ -238,13 +238,15 @@ def _kl_keys_kernel(
                 for p0 in range(lo, hi, TOK):
                     flat, t, i, hl, valid = pair_rows(pair_ptr, p0, hi, f0, HI, TOPK, HPI, HR,
                                                       TOK)
-                    dz, kl, qi, rr = _kl_tile(kt, kit, krow, kmask, t, i, hl, valid, q_ptr,
-                                              lse_ptr, qi_ptr, lsez_ptr, qpos_ptr, qkb_ptr, s_qt,
-                                              s_qh, s_lt, s_it, s_ih, s_zt, scale, iscale, HPI,
-                                              HR, TOK, D, DI, UPCAST, IEEE)
+                    dz, kl, qi, on, rr = _kl_tile(kt, kit, krow, kmask, t, i, hl, valid, q_ptr,
+                                                  lse_ptr, qi_ptr, lsez_ptr, qpos_ptr, qkb_ptr,
+                                                  s_qt, s_qh, s_lt, s_it, s_ih, s_zt, scale,
+                                                  iscale, HPI, HR, TOK, D, DI, UPCAST, IEEE)
                     reach = tl.maximum(reach, rr)
-                    dki += mma(tl.trans(dz.to(qi.dtype)), qi, UPCAST, IEEE)
-                    dqi = mma(dz.to(kit.dtype), kit, UPCAST, IEEE) * out_scale
+                    dki += support_mma(tl.trans(dz.to(qi.dtype)), qi, nonfinite(qi),
+                                       tl.trans(on), UPCAST, IEEE)
+                    dqi = support_mma(dz.to(kit.dtype), kit, kit_bad, on, UPCAST,
+                                      IEEE) * out_scale
                     prow = flat.to(tl.int64) * NSUB + w % NSUB
                     first = valid & (hl == 0)
                     tl.store(pkl_ptr + prow, kl, mask=first)
@@ -273,11 +275,12 @@ def _kl_keys_kernel(
             for a in range(a_lo, a_hi):
                 t = a * TOK + r // HR
                 rows = row_filter((t < Tq) & (hl < HPI), t, i, full_ptr, HI, FULL)
-                dz, _, qi, _ = _kl_tile(kt, kit, krow, kmask, t, i, hl, rows,
-                                        q_ptr, lse_ptr, qi_ptr, lsez_ptr, qpos_ptr, qkb_ptr,
-                                        s_qt, s_qh, s_lt, s_it, s_ih, s_zt, scale, iscale,
-                                        HPI, HR, TOK, D, DI, UPCAST, IEEE)
-                dki += mma(tl.trans(dz.to(qi.dtype)), qi, UPCAST, IEEE)
+                dz, _, qi, on, _ = _kl_tile(kt, kit, krow, kmask, t, i, hl, rows, q_ptr, lse_ptr,
+                                            qi_ptr, lsez_ptr, qpos_ptr, qkb_ptr, s_qt, s_qh, s_lt,
+                                            s_it, s_ih, s_zt, scale, iscale, HPI, HR, TOK, D, DI,
+                                            UPCAST, IEEE)
+                dki += support_mma(tl.trans(dz.to(qi.dtype)), qi, nonfinite(qi), tl.trans(on),
+                                   UPCAST, IEEE)
         tl.store(part_ptr + unit.to(tl.int64) * s_pu + k64 * DI + di[None, :], dki * out_scale,
                  mask=kmask[:, None])
 

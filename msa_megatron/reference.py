@@ -92,8 +92,9 @@ def select_core_reference(
     own = (q_pos.to(torch.int64) // block_size)[:, None]
     eligible = b <= own  # [Tq, nblk]
     forced = eligible & ((b > own - local_blocks) | (b < init_blocks))
-    # Rank: forced first, then eligible by score (NaN scores still rank as eligible),
-    # ties to the lower block index (stable sorts), ineligible last.
+    # Rank (MSA_SPEC 2.4): forced first, then eligible by score with NaN above every number
+    # (a descending sort puts NaN first), ties to the lower block index (stable sorts),
+    # ineligible last.
     klass = eligible.to(torch.int64) + forced.to(torch.int64)  # 2 forced, 1 eligible, 0 not
     order = torch.sort(s, dim=2, descending=True, stable=True).indices
     klass_sorted = torch.gather(klass.unsqueeze(0).expand(Hi, -1, -1), 2, order)

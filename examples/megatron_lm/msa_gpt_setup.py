@@ -3,8 +3,11 @@
 Shared by ``pretrain_msa_gpt.py`` and ``convert_dense_to_msa.py`` (which need megatron-core
 0.19.x, Python >= 3.12) and tested on any Python by ``tests/e2e/test_megatron_lm_kit.py``:
 
-- :func:`add_msa_args` / :func:`msa_config_from_args`: the ``--msa-*`` flags and their
-  :class:`~msa_megatron.MSAConfig` (a minimal mapping kept here; the library may offer its own);
+- :func:`add_msa_args`: the kit's ``--dense-gpt`` plus the library's ``--msa-*`` flags
+  (:func:`msa_megatron.megatron.add_msa_arguments`, added once even on a patched
+  megatron.training); :func:`msa_config_from_args` is the library's
+  (:func:`msa_megatron.megatron.msa_config_from_args`: the flags' MSAConfig, dense first when
+  ``--msa-warmup-steps > 0``);
 - :func:`msa_mode_at`: the dense-warmup switch, keyed on the iteration counter (restored from
   the checkpoint on resume);
 - :func:`adapt_to_installed_kernels`: turns off what needs Transformer Engine or Apex when they
@@ -19,74 +22,43 @@ import argparse
 import importlib.util
 from typing import Dict, Iterable, List, Optional
 
-from msa_megatron import MSAConfig
-from msa_megatron.config import BACKENDS, CP_KV_EXCHANGES
+from msa_megatron.megatron.args import (MSA_FLAG_FIELDS, WARMUP_FIELD, add_msa_arguments,
+                                        msa_config_from_args)
 
-# MSAConfig fields set by --msa-<field> flags (dashes for underscores).
-MSA_CONFIG_FLAGS = ("block_size", "top_k", "init_blocks", "local_blocks", "index_heads",
-                    "index_key_heads", "index_head_dim", "kl_coeff", "backend", "cp_kv_exchange")
+__all__ = ["MSA_CONFIG_FLAGS", "add_msa_args", "adapt_to_installed_kernels",
+           "attended_block_fraction", "fit_lr_schedule", "installed_kernels",
+           "msa_config_from_args", "msa_mode_at", "notice", "parser_has_msa_flags"]
+
+# MSAConfig fields set by --msa-<field> flags (dashes for underscores): the library's.
+MSA_CONFIG_FLAGS = tuple(MSA_FLAG_FIELDS)
 
 
 def parser_has_msa_flags(parser: argparse.ArgumentParser) -> bool:
-    """True when ``parser`` already defines the ``--msa-*`` flags (a patched megatron.training,
-    ``patches/0001-msa-arguments.patch``)."""
-    return any("--msa-top-k" in action.option_strings for action in parser._actions)
+    """True when ``parser`` already defines every ``--msa-*`` flag (a patched megatron.training,
+    ``patches/0001-msa-arguments.patch``, or an earlier :func:`add_msa_args`)."""
+    present = {option for action in parser._actions for option in action.option_strings}
+    wanted = [*MSA_CONFIG_FLAGS, WARMUP_FIELD]
+    return all("--msa-" + field.replace("_", "-") in present for field in wanted)
 
 
 def add_msa_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The ``--msa-*`` flags (``extra_args_provider`` of megatron's argument parser).
+    """The kit's flags (``extra_args_provider`` of megatron's argument parser).
 
-    Defaults are :class:`MSAConfig`'s. When the parser already has them (megatron.training
-    patched with ``patches/``), they are not added again, so the two never clash. Also adds
-    the kit's ``--dense-gpt`` (train megatron-core's plain GPT, e.g. the dense start of
-    ``convert_dense_to_msa.py``).
+    Adds ``--dense-gpt`` (train megatron-core's plain GPT, e.g. the dense start of
+    ``convert_dense_to_msa.py``) and the ``--msa-*`` flags of
+    :func:`msa_megatron.megatron.add_msa_arguments` (defaults :class:`~msa_megatron.MSAConfig`'s,
+    plus ``--msa-warmup-steps``, default 0). Flags the parser already has (megatron.training
+    patched with ``patches/``, which adds them through the same library function) are not
+    added again, so the two never clash.
+
+    Returns:
+        ``parser``.
     """
     kit = parser.add_argument_group(title="msa-megatron launch kit")
     kit.add_argument("--dense-gpt", action="store_true",
                      help="train a plain dense GPT (megatron-core's layer spec, no MSA layers): "
                           "the starting point of convert_dense_to_msa.py")
-    if parser_has_msa_flags(parser):
-        return parser
-    defaults = MSAConfig()
-    group = parser.add_argument_group(title="MiniMax Sparse Attention (msa-megatron)")
-    group.add_argument("--msa-block-size", type=int, default=defaults.block_size,
-                       help="key block size in tokens")
-    group.add_argument("--msa-top-k", type=int, default=defaults.top_k,
-                       help="selected blocks per query token and index head (forced included)")
-    group.add_argument("--msa-init-blocks", type=int, default=defaults.init_blocks,
-                       help="first blocks of every sequence always selected")
-    group.add_argument("--msa-local-blocks", type=int, default=defaults.local_blocks,
-                       help="last blocks up to the query's own block always selected")
-    group.add_argument("--msa-index-heads", type=int, default=defaults.index_heads,
-                       help="index query heads of the layer (default: one per query group)")
-    group.add_argument("--msa-index-key-heads", type=int, default=defaults.index_key_heads,
-                       help="index key heads (default 1, shared)")
-    group.add_argument("--msa-index-head-dim", type=int, default=defaults.index_head_dim)
-    group.add_argument("--msa-kl-coeff", type=float, default=defaults.kl_coeff,
-                       help="weight of the summed per-layer index-branch KL losses")
-    group.add_argument("--msa-warmup-steps", type=int, default=0,
-                       help="iterations of dense attention before switching to sparse MSA "
-                            "(counted from iteration 0 of the run, restored on resume)")
-    group.add_argument("--msa-backend", choices=BACKENDS, default=defaults.backend,
-                       help="kernel backend (default: triton on CUDA)")
-    group.add_argument("--msa-cp-kv-exchange", choices=CP_KV_EXCHANGES,
-                       default=defaults.cp_kv_exchange,
-                       help="how context-parallel ranks exchange the selected K/V blocks")
-    return parser
-
-
-def msa_config_from_args(args: argparse.Namespace) -> MSAConfig:
-    """MSAConfig of the ``--msa-*`` flags, starting dense when there is a warmup.
-
-    Flags that are unset (None, as the patched parser leaves them) keep MSAConfig's defaults.
-
-    Raises:
-        ValueError: from MSAConfig, for invalid values (e.g. ``--msa-top-k 0``).
-    """
-    fields = {name: getattr(args, "msa_" + name) for name in MSA_CONFIG_FLAGS
-              if getattr(args, "msa_" + name, None) is not None}
-    warmup = getattr(args, "msa_warmup_steps", 0) or 0
-    return MSAConfig(mode="dense" if warmup > 0 else "sparse", **fields)
+    return add_msa_arguments(parser, prefix="msa", warmup=True)
 
 
 def msa_mode_at(iteration: int, warmup_steps: int) -> str:

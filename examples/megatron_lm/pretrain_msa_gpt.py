@@ -3,7 +3,8 @@
 Our own entry point on ``megatron.training.pretrain`` (shipped inside the megatron-core >= 0.17
 wheel, Python >= 3.12), so no Megatron-LM checkout and no patch is needed:
 
-- MSA flags come in through ``extra_args_provider`` (:func:`add_msa_args`);
+- MSA flags come in through ``extra_args_provider`` (:func:`add_msa_args`: ``--dense-gpt`` and
+  the library's ``--msa-*`` flags, :func:`msa_megatron.megatron.add_msa_arguments`);
 - every attention layer is MSA: the GPT model config gets ``get_gpt_layer_msa_spec``;
 - the dense-warmup-to-sparse switch happens in :func:`forward_step` (``--msa-warmup-steps``);
 - the index-branch KL is reported next to ``lm loss`` in Megatron's training log by
@@ -14,7 +15,8 @@ wheel, Python >= 3.12), so no Megatron-LM checkout and no patch is needed:
 - ``--dense-gpt`` trains megatron-core's plain GPT instead (the dense start of
   ``convert_dense_to_msa.py``).
 
-With a megatron.training patched by ``patches/`` the flags come from the patch and the
+With a megatron.training patched by ``patches/`` the flags come from the patch (which adds them
+with the same library function; :func:`add_msa_args` then adds only ``--dense-gpt``) and the
 patched loop does the warmup switch and KL logging; this entry point then leaves both to it.
 
 Data: Megatron's indexed GPT datasets (``--data-path``, ``--split``, tokenizer flags) or

@@ -37,6 +37,7 @@ MSA_FLAG_FIELDS: Dict[str, tuple] = {
                        "context-parallel K/V exchange (default: from megatron's cp_comm_type)"),
 }
 WARMUP_FIELD = "warmup_steps"
+GROUP_TITLE = "MiniMax Sparse Attention (msa-megatron)"
 
 
 def add_msa_arguments(parser: argparse.ArgumentParser, *, prefix: str = "msa",
@@ -44,8 +45,10 @@ def add_msa_arguments(parser: argparse.ArgumentParser, *, prefix: str = "msa",
                       warmup: bool = True) -> argparse.ArgumentParser:
     """Add one argument group with a flag per :data:`MSA_FLAG_FIELDS` field.
 
-    Flags the parser already defines (e.g. megatron.training patched with
-    ``patches/0001-msa-arguments.patch``) are not added again.
+    Flags the parser already defines (e.g. by an earlier call: megatron.training patched with
+    ``patches/0001-msa-arguments.patch`` calls this function, and the Megatron-LM kit calls it
+    again as ``extra_args_provider``) are not added again. The flags join the parser's group
+    titled :data:`GROUP_TITLE` when it has one (the patch's ``--msa``), else a new one.
 
     Args:
         parser: the parser to extend (returned, for Megatron-LM's ``extra_args_provider``).
@@ -64,7 +67,9 @@ def add_msa_arguments(parser: argparse.ArgumentParser, *, prefix: str = "msa",
         warmup = False
     if not wanted and not warmup:
         return parser
-    group = parser.add_argument_group(title="MiniMax Sparse Attention (msa-megatron)")
+    group = next((g for g in parser._action_groups if g.title == GROUP_TITLE), None)
+    if group is None:
+        group = parser.add_argument_group(title=GROUP_TITLE)
     for field in wanted:
         kind, choices, text = MSA_FLAG_FIELDS[field]
         group.add_argument(_flag(prefix, field), dest=_dest(prefix, field), type=kind,
@@ -73,7 +78,8 @@ def add_msa_arguments(parser: argparse.ArgumentParser, *, prefix: str = "msa",
     if warmup:
         group.add_argument(_flag(prefix, WARMUP_FIELD), dest=_dest(prefix, WARMUP_FIELD),
                            type=int, default=0,
-                           help="MSA: dense-attention steps before switching to sparse")
+                           help="MSA: dense-attention steps before switching to sparse "
+                                "(iterations, counted from the start of training)")
     return parser
 
 

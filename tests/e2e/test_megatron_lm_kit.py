@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from msa_megatron import MSAConfig
+from msa_megatron.megatron.args import MSA_FLAG_FIELDS, add_msa_arguments, msa_config_from_args
 
 REPO = Path(__file__).resolve().parents[2]
 KIT = REPO / "examples" / "megatron_lm"
@@ -73,10 +74,20 @@ def test_warmup_switch():
     assert setup.msa_mode_at(0, 0) == "sparse"
 
 
-def test_patch_offers_the_same_flags(parser):
-    patch_flags = set(re.findall(r"^\+.*add_argument\('(--msa[a-z-]*)'", ARGUMENTS_PATCH.read_text(),
-                                 flags=re.MULTILINE))
-    assert patch_flags - {"--msa"} == _flags(parser)
+def test_flags_are_the_library_flags(parser):
+    """The kit adds the library's --msa-* flags (and its own --dense-gpt), no copy of them."""
+    library = add_msa_arguments(argparse.ArgumentParser())
+    assert _flags(parser) == _flags(library)
+    assert setup.msa_config_from_args is msa_config_from_args
+    assert set(setup.MSA_CONFIG_FLAGS) == set(MSA_FLAG_FIELDS)
+    assert parser.parse_args(["--dense-gpt"]).dense_gpt
+    assert not parser.parse_args([]).dense_gpt
+
+
+def test_patch_takes_its_flags_from_the_library():
+    text = ARGUMENTS_PATCH.read_text()
+    assert "add_msa_arguments(parser)" in text
+    assert not re.findall(r"^\+.*add_argument\('(--msa-[a-z-]+)'", text, flags=re.MULTILINE)
 
 
 def test_no_duplicate_flags_on_a_patched_parser():
@@ -89,6 +100,12 @@ def test_no_duplicate_flags_on_a_patched_parser():
     assert setup.parser_has_msa_flags(patched)
     setup.add_msa_args(patched)  # no argparse.ArgumentError
     assert patched.parse_args(["--dense-gpt"]).dense_gpt
+
+
+def test_warmup_flag_added_once_and_default_zero(parser):
+    assert [s for a in parser._actions for s in a.option_strings].count("--msa-warmup-steps") == 1
+    assert parser.parse_args([]).msa_warmup_steps == 0
+    assert not setup.parser_has_msa_flags(argparse.ArgumentParser())
 
 
 def _megatron_args(**overrides) -> argparse.Namespace:

@@ -5,7 +5,8 @@ wheel is looked up in ``$MSA_MEGATRON_CACHE/wheels`` (``.ci/run`` pre-downloads 
 downloaded with pip; the tests skip, saying why, only when neither works (offline machine).
 The wheel needs Python >= 3.12, so it is unpacked, never installed: the checks are textual
 (``git apply --check``, ``patch --dry-run``), syntactic (the patched files compile) and, for the
-argument flags, functional (the patched flag parser is run on its own).
+argument flags, functional (the patched flag parser, which calls the library's
+``add_msa_arguments``, is run on its own, alone and under the launch kit's).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,13 +27,15 @@ from typing import List
 import pytest
 
 from msa_megatron import MSAConfig
+from msa_megatron.megatron import add_msa_arguments, msa_config_from_args
 
 REPO = Path(__file__).resolve().parents[2]
 PATCHES = sorted((REPO / "patches").glob("*.patch"))
 BASE_VERSION = "0.19.2"
 TREE_PREFIX = "megatron/training/"
 DOWNLOAD_TIMEOUT_S = 300
-MSA_ARG_NODES = ("_MSA_CONFIG_FLAGS", "_add_msa_args", "msa_config_from_args")
+MSA_ARG_NODES = ("_add_msa_args",)
+KIT = REPO / "examples" / "megatron_lm"
 
 
 def _cache_dir() -> Path:
@@ -122,23 +127,75 @@ def _msa_argument_functions(arguments_py: Path) -> dict:
     return namespace
 
 
+def _msa_flags(parser: argparse.ArgumentParser) -> set:
+    return {s for a in parser._actions for s in a.option_strings if s.startswith("--msa")}
+
+
 @pytest.mark.skipif(shutil.which("patch") is None, reason="GNU patch is not installed")
 def test_patched_flags_build_msa_config(training_tree: Path):
+    """The patched parser's --msa-* flags are the library's (add_msa_arguments), and the
+    library's msa_config_from_args builds the config the patched code uses."""
     _apply_all(training_tree)
     fns = _msa_argument_functions(training_tree / TREE_PREFIX / "arguments.py")
-    msa_fields = {f.name for f in dataclasses.fields(MSAConfig)}
-    assert set(fns["_MSA_CONFIG_FLAGS"]) <= msa_fields
-
     parser = fns["_add_msa_args"](argparse.ArgumentParser())
-    defaults = fns["msa_config_from_args"](parser.parse_args([]))
-    assert defaults == dataclasses.replace(MSAConfig(), mode="sparse")
+    library = add_msa_arguments(argparse.ArgumentParser())
+    assert _msa_flags(parser) == _msa_flags(library) | {"--msa"}
+    titles = [g.title for g in parser._action_groups]
+    assert titles.count("MiniMax Sparse Attention (msa-megatron)") == 1
 
+    defaults = msa_config_from_args(parser.parse_args([]))
+    assert defaults == dataclasses.replace(MSAConfig(), mode="sparse")
     args = parser.parse_args(["--msa", "--msa-top-k", "8", "--msa-block-size", "64",
                               "--msa-index-head-dim", "64", "--msa-kl-coeff", "0.5",
                               "--msa-warmup-steps", "100", "--msa-cp-kv-exchange", "selective"])
     assert args.msa
-    config = fns["msa_config_from_args"](args)
+    config = msa_config_from_args(args)
     assert (config.top_k, config.block_size, config.index_head_dim, config.kl_coeff) == (8, 64, 64, 0.5)
     assert (config.mode, config.cp_kv_exchange) == ("dense", "selective")
     with pytest.raises(ValueError, match="top_k"):
-        fns["msa_config_from_args"](parser.parse_args(["--msa-top-k", "0"]))
+        msa_config_from_args(parser.parse_args(["--msa-top-k", "0"]))
+
+
+@pytest.mark.skipif(shutil.which("patch") is None, reason="GNU patch is not installed")
+def test_patched_code_calls_the_library(training_tree: Path):
+    """No flag -> MSAConfig mapping of its own in the patched megatron.training: the layer spec
+    takes msa_megatron.megatron.msa_config_from_args."""
+    _apply_all(training_tree)
+    arguments = (training_tree / TREE_PREFIX / "arguments.py").read_text()
+    argument_utils = (training_tree / TREE_PREFIX / "argument_utils.py").read_text()
+    assert "from msa_megatron.megatron import add_msa_arguments" in arguments
+    assert not re.search(r"add_argument\(\s*'--msa-", arguments)
+    assert "def msa_config_from_args" not in arguments
+    assert "from msa_megatron.megatron import get_gpt_layer_msa_spec, msa_config_from_args" in \
+        argument_utils
+
+
+@pytest.mark.skipif(shutil.which("patch") is None, reason="GNU patch is not installed")
+def test_patched_parser_without_msa_megatron_has_only_msa(training_tree: Path, monkeypatch):
+    """megatron.training patched but msa-megatron not installed: --msa only, no import error."""
+    _apply_all(training_tree)
+    fns = _msa_argument_functions(training_tree / TREE_PREFIX / "arguments.py")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "msa_megatron" else find_spec(name, *a))
+    assert _msa_flags(fns["_add_msa_args"](argparse.ArgumentParser())) == {"--msa"}
+
+
+@pytest.mark.skipif(shutil.which("patch") is None, reason="GNU patch is not installed")
+def test_kit_on_the_patched_parser_adds_no_flag_twice(training_tree: Path):
+    """The launch kit's extra_args_provider on top of the patched parser: only its --dense-gpt
+    is new (argparse would raise on a second --msa-top-k)."""
+    _apply_all(training_tree)
+    fns = _msa_argument_functions(training_tree / TREE_PREFIX / "arguments.py")
+    parser = fns["_add_msa_args"](argparse.ArgumentParser())
+    before = _msa_flags(parser)
+    sys.path.insert(0, str(KIT))
+    try:
+        import msa_gpt_setup
+    finally:
+        sys.path.remove(str(KIT))
+    assert msa_gpt_setup.parser_has_msa_flags(parser)
+    msa_gpt_setup.add_msa_args(parser)
+    assert _msa_flags(parser) == before
+    args = parser.parse_args(["--dense-gpt", "--msa-top-k", "3"])
+    assert args.dense_gpt and msa_gpt_setup.msa_config_from_args(args).top_k == 3

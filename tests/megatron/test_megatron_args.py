@@ -13,7 +13,7 @@ import pytest
 
 from msa_megatron import MSAConfig
 from msa_megatron.megatron import add_msa_arguments, msa_config_from_args
-from msa_megatron.megatron.args import MSA_FLAG_FIELDS, msa_config_from_mapping
+from msa_megatron.megatron.args import GROUP_TITLE, msa_config_from_mapping
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -77,9 +77,20 @@ def test_mapping():
         msa_config_from_mapping([1])
 
 
-def test_megatron_lm_patch_flags_are_the_library_flags():
-    """The Megatron-LM patch adds the same ``--msa-*`` flags (until it calls the library)."""
+def test_megatron_lm_patch_calls_the_library():
+    """The Megatron-LM patch adds only ``--msa``; the ``--msa-*`` flags and the config they
+    build come from this module."""
     patch = (REPO / "patches" / "0001-msa-arguments.patch").read_text()
-    flags = set(re.findall(r"'(--msa-[a-z-]+)'", patch))
-    ours = {"--msa-" + f.replace("_", "-") for f in MSA_FLAG_FIELDS} | {"--msa-warmup-steps"}
-    assert flags - {"--msa"} <= ours
+    assert set(re.findall(r"'(--msa[a-z-]*)'", patch)) == {"--msa"}
+    assert "from msa_megatron.megatron import add_msa_arguments" in patch
+    spec = (REPO / "patches" / "0002-msa-layer-spec.patch").read_text()
+    assert "from msa_megatron.megatron import get_gpt_layer_msa_spec, msa_config_from_args" in spec
+
+
+def test_flags_join_an_existing_group_of_the_same_title():
+    parser = argparse.ArgumentParser()
+    group = parser.add_argument_group(title=GROUP_TITLE)
+    group.add_argument("--msa", action="store_true")
+    add_msa_arguments(parser)
+    assert [g.title for g in parser._action_groups].count(GROUP_TITLE) == 1
+    assert "--msa-top-k" in {s for a in group._group_actions for s in a.option_strings}

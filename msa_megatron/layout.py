@@ -37,8 +37,11 @@ def query_layout(
     if cu_seqlens is None:
         return t.to(torch.int32), torch.zeros(total, device=device, dtype=torch.int32)
     starts = cu_seqlens.to(device=device, dtype=torch.int64)
-    # seq(t) = the last sequence whose start is <= t (zero-length sequences are skipped).
-    seq = torch.searchsorted(starts[1:], t, right=True)
+    # seq(t) = the last sequence whose start is <= t (zero-length sequences are skipped); since
+    # starts[0] = 0 <= t, that is (number of starts <= t) - 1. The boundaries passed to
+    # searchsorted are the whole tensor, never a slice: inductor's GPU lowering of searchsorted
+    # needs a strided buffer and fails on a slice view (torch 2.11: NotImplementedError SliceView).
+    seq = torch.searchsorted(starts, t, right=True) - 1
     base = starts[seq]
     return (t - base).to(torch.int32), base.to(torch.int32)
 

@@ -38,23 +38,31 @@ RECALL_PREFIX = "msa/recall"
 
 
 class _MetricTracker:
-    """Per-layer sums of KL shares (on their device) and of their weights (host floats)."""
+    """Per-layer sums of KL shares and of their weights, as tensors on the KL's device.
+
+    Compiled models (torch.compile) read this state while tracing: a layer's tensors are
+    created once and then only updated and zeroed in place, so the traced graph (and its guards)
+    stays the same from one micro-batch or step to the next instead of recompiling each time.
+    Layers whose weight is 0 (reset, not run since) report nothing.
+    """
 
     def __init__(self) -> None:
         self.values: Dict[int, torch.Tensor] = {}
-        self.weights: Dict[int, float] = {}
+        self.weights: Dict[int, torch.Tensor] = {}
 
     def record(self, layer_number: int, kl: torch.Tensor, weight: float) -> None:
         value = kl.detach().float()
-        if layer_number in self.values:
-            self.values[layer_number] = self.values[layer_number] + value
-        else:
-            self.values[layer_number] = value
-        self.weights[layer_number] = self.weights.get(layer_number, 0.0) + weight
+        if layer_number not in self.values:
+            # Shape [1], not 0-dim: torch.compile drops in-place updates of captured 0-dim
+            # float64 tensors (torch 2.13, CPU).
+            self.values[layer_number] = torch.zeros(1, dtype=torch.float32, device=kl.device)
+            self.weights[layer_number] = torch.zeros(1, dtype=torch.float64, device=kl.device)
+        self.values[layer_number].add_(value)
+        self.weights[layer_number].add_(weight)
 
     def reset(self) -> None:
-        self.values.clear()
-        self.weights.clear()
+        for tensor in (*self.values.values(), *self.weights.values()):
+            tensor.zero_()
 
 
 _TRACKER = _MetricTracker()
@@ -157,8 +165,8 @@ def get_msa_metrics(reset: bool = True,
     count = int(num_layers.item())
     values = torch.zeros(7, count, dtype=torch.float64, device=device)
     for layer, value in _TRACKER.values.items():
-        values[0, layer - 1] = value.to(device=device, dtype=torch.float64)
-        values[1, layer - 1] = _TRACKER.weights[layer]
+        values[0, layer - 1] = value.to(device=device, dtype=torch.float64).reshape(())
+        values[1, layer - 1] = _TRACKER.weights[layer].to(device=device).reshape(())
     host_bytes = torch.zeros(3, count, dtype=torch.float64)
     for layer, micro_batches in _CP_BYTES.micro_batches.items():
         host_bytes[0:2, layer - 1] = torch.tensor(cp_bytes_received(_CP_BYTES.stats[layer]),

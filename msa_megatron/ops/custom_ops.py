@@ -84,7 +84,49 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 def _grad_or_empty(t: torch.Tensor, compute_grad: bool) -> torch.Tensor:
     if not compute_grad:
         return t.new_empty((0,))
-    return torch.empty_like(t, dtype=accumulation_dtype(t.dtype))
+    return t.new_empty(t.shape, dtype=accumulation_dtype(t.dtype))
+
+
+def _contiguous_strides(shape) -> tuple:
+    """Row-major strides of ``shape``, size-1 dimensions included (what ``new_empty`` gives)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(int(size), 1)
+    return tuple(reversed(strides))
+
+
+def _fresh_outputs(kernel: Callable) -> Callable:
+    """Wrap ``kernel`` so that every output is a new contiguous tensor.
+
+    The fake implementations below return contiguous tensors, and inductor plans buffers from
+    them; an output that is a strided view, or that shares memory with an input or another
+    output, would disagree with its fake (and custom ops must not alias their inputs). Strides
+    are compared exactly, size-1 dimensions included (``[1, T, D].transpose(0, 1).contiguous()``
+    keeps stride ``T*D`` on its size-1 dimension). Outputs that already satisfy this (the normal
+    case) are returned unchanged, with no copy.
+    """
+
+    def run(*args):
+        result = kernel(*args)
+        single = isinstance(result, torch.Tensor)
+        outputs = [result] if single else list(result)
+        taken = {a.untyped_storage().data_ptr() for a in args
+                 if isinstance(a, torch.Tensor) and a.numel() > 0}
+        for n, out in enumerate(outputs):
+            ptr = out.untyped_storage().data_ptr() if out.numel() > 0 else None
+            if ptr in taken or out.stride() != _contiguous_strides(out.shape) or (
+                    out.storage_offset() != 0):
+                out = out.clone(memory_format=torch.contiguous_format)
+                ptr = out.untyped_storage().data_ptr() if out.numel() > 0 else None
+            if ptr is not None:
+                taken.add(ptr)
+            outputs[n] = out
+        return outputs[0] if single else tuple(outputs)
+
+    run.__name__ = getattr(kernel, "__name__", "kernel")
+    run.__doc__ = kernel.__doc__
+    return run
 
 
 def register_backend_ops(prefix: str, kernels: BackendKernels) -> SimpleNamespace:
@@ -104,18 +146,21 @@ def register_backend_ops(prefix: str, kernels: BackendKernels) -> SimpleNamespac
     def op_name(piece: str) -> str:
         return f"{NAMESPACE}::{prefix}_{piece}"
 
+    # Fake implementations give contiguous outputs, and so do the real ones (_fresh_outputs).
     select_op = torch.library.custom_op(
-        op_name("select"), kernels.select, mutates_args=(), schema=_SELECT_SCHEMA
+        op_name("select"), _fresh_outputs(kernels.select), mutates_args=(),
+        schema=_SELECT_SCHEMA,
     )
     attention_fwd_op = torch.library.custom_op(
-        op_name("attention_fwd"), kernels.attention_fwd, mutates_args=(),
+        op_name("attention_fwd"), _fresh_outputs(kernels.attention_fwd), mutates_args=(),
         schema=_ATTENTION_FWD_SCHEMA,
     )
     attention_bwd_op = torch.library.custom_op(
-        op_name("attention_bwd"), kernels.attention_bwd, mutates_args=(),
+        op_name("attention_bwd"), _fresh_outputs(kernels.attention_bwd), mutates_args=(),
         schema=_ATTENTION_BWD_SCHEMA,
     )
-    kl_op = torch.library.custom_op(op_name("kl"), kernels.kl, mutates_args=(), schema=_KL_SCHEMA)
+    kl_op = torch.library.custom_op(op_name("kl"), _fresh_outputs(kernels.kl), mutates_args=(),
+                                    schema=_KL_SCHEMA)
 
     @select_op.register_fake
     def _(q_idx, k_idx, q_pos, q_kbase, block_size, top_k, init_blocks, local_blocks, index_scale):
@@ -123,12 +168,12 @@ def register_backend_ops(prefix: str, kernels: BackendKernels) -> SimpleNamespac
 
     @attention_fwd_op.register_fake
     def _(q, k, v, block_idx, q_pos, q_kbase, block_size, softmax_scale, index_heads):
-        return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=accumulation_dtype(q.dtype))
+        return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=accumulation_dtype(q.dtype))
 
     @attention_bwd_op.register_fake
     def _(dout, q, k, v, out, lse, block_idx, q_pos, q_kbase, block_size, softmax_scale,
           index_heads):
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
     @kl_op.register_fake
     def _(q, k, lse, q_idx, k_idx, block_idx, q_pos, q_kbase, block_size, softmax_scale,

@@ -131,7 +131,10 @@ def build_cp_layout(
     starts = torch.tensor(starts_host, **i64)
     lengths = starts[1:] - starts[:-1]
     rows = torch.arange(total_global, **i64)
-    seq = torch.searchsorted(starts[1:], rows, right=True)  # zero-length sequences hold no row
+    # The last sequence whose start is <= the row (zero-length sequences hold no row); starts[0]
+    # is 0, so that is (number of starts <= row) - 1. The whole tensor, never a slice, goes to
+    # searchsorted (inductor's GPU lowering fails on a slice view: see layout.query_layout).
+    seq = torch.searchsorted(starts, rows, right=True) - 1
     pos = rows - starts[seq]
     chunk_len = lengths[seq] // (2 * cp_size)
     chunk = pos // chunk_len.clamp(min=1)

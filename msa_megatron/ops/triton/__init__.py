@@ -9,11 +9,21 @@ imported on the first call, so importing this package never imports Triton (set
 Kernels: :mod:`.selection` (fused selection), :mod:`.forward` (sparse / dense forward),
 :mod:`.backward` (dQ query-outer, dK/dV key-block-outer, deterministic), :mod:`.kl_loss`
 (KL value and index-branch gradients), :mod:`.reverse_index` (block -> selecting queries).
+Dense mode takes the main output and LSE (and dQ, dK, dV) from cuDNN or FlashAttention where
+:mod:`msa_megatron.ops.dense` finds one that applies, and runs these kernels otherwise; its KL
+is one key-tile-outer pass over Q K^T (:mod:`.dense_kl`).
 """
 
 from __future__ import annotations
 
+import os
+
 from ..custom_ops import BackendKernels, register_backend_ops
+from ..dense import dense_backward, dense_forward
+
+# Dense-mode KL: "onepass" (default, :mod:`.dense_kl`) or "twopass" (the query-outer rows kernel
+# plus the key-outer index-key kernel of :mod:`.kl_loss`).
+DENSE_KL_ENV = "MSA_DENSE_KL"
 
 
 def _select(q_idx, k_idx, q_pos, q_kbase, block_size, top_k, init_blocks, local_blocks,
@@ -25,6 +35,10 @@ def _select(q_idx, k_idx, q_pos, q_kbase, block_size, top_k, init_blocks, local_
 
 
 def _attention_fwd(q, k, v, block_idx, q_pos, q_kbase, block_size, softmax_scale, index_heads):
+    if block_idx is None:  # dense mode: a vendor dense attention where one applies
+        routed = dense_forward(q, k, v, q_pos, q_kbase, softmax_scale)
+        if routed is not None:
+            return routed
     from .forward import attention_forward
 
     return attention_forward(q, k, v, block_idx, q_pos, q_kbase, block_size, softmax_scale,
@@ -33,6 +47,10 @@ def _attention_fwd(q, k, v, block_idx, q_pos, q_kbase, block_size, softmax_scale
 
 def _attention_bwd(dout, q, k, v, out, lse, block_idx, q_pos, q_kbase, block_size,
                    softmax_scale, index_heads):
+    if block_idx is None:
+        routed = dense_backward(dout, q, k, v, out, lse, q_pos, q_kbase, softmax_scale)
+        if routed is not None:
+            return routed
     from .backward import attention_backward
 
     return attention_backward(dout, q, k, v, out, lse, block_idx, q_pos, q_kbase, block_size,
@@ -41,6 +59,11 @@ def _attention_bwd(dout, q, k, v, out, lse, block_idx, q_pos, q_kbase, block_siz
 
 def _kl(q, k, lse, q_idx, k_idx, block_idx, q_pos, q_kbase, block_size, softmax_scale,
         index_scale, kl_scale, compute_grad):
+    if block_idx is None and os.environ.get(DENSE_KL_ENV, "onepass") != "twopass":
+        from .dense_kl import dense_kl_loss
+
+        return dense_kl_loss(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale,
+                             index_scale, kl_scale, compute_grad)
     from .kl_loss import kl_loss
 
     return kl_loss(q, k, lse, q_idx, k_idx, block_idx, q_pos, q_kbase, block_size, softmax_scale,

@@ -1,0 +1,345 @@
+"""Dense (warmup) mode main branch through the fastest dense attention the machine has.
+
+In dense mode (MSA_SPEC section 5) the main branch is ordinary causal attention per sequence.
+The Triton backend takes its output and LSE from a vendor kernel when one applies, and keeps
+its own kernels otherwise (CPU, the general query layout of context parallelism, unsupported
+dtypes or head dims). The KL pass then reads that LSE unchanged.
+
+Routes (CUDA only, tried in this order; ``MSA_DENSE_BACKEND`` picks one):
+
+- ``cudnn``: ``aten._cudnn_attention_forward/backward`` on packed THD with ``cu_seqlens``
+  (native GQA). Its backward is not deterministic (PyTorch says so when deterministic
+  algorithms are enabled, and offers no deterministic mode).
+- ``flash``: ``aten._flash_attention_forward/backward`` (FlashAttention-2, varlen, native GQA).
+  Its backward is deterministic when asked (the dQ accumulation is split and summed in a fixed
+  order; PyTorch enables that under ``torch.use_deterministic_algorithms(True)``, which this
+  module sets around the call only).
+
+Backward: deterministic by default (the project's rule), so the default backward is ``flash``
+in its deterministic mode, else our own kernels; ``MSA_DENSE_DETERMINISTIC=0`` lets the backward
+use the forward's route (cuDNN's, the fastest). ``torch.use_deterministic_algorithms(True)``
+always forces the deterministic choice. docs/DESIGN.md gives the cost of each.
+
+Every route is checked once per (device, dtype, head dim, GQA or not) on a small packed problem
+against a float32 computation before it is used; a route that raises or disagrees is skipped
+(with a warning), so a PyTorch version with different operator conventions falls back instead
+of giving wrong results. :func:`route_report` says what was chosen.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from contextlib import contextmanager
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
+
+import torch
+
+BACKEND_ENV = "MSA_DENSE_BACKEND"  # auto (default) | cudnn | flash | kernels
+DETERMINISTIC_ENV = "MSA_DENSE_DETERMINISTIC"  # 1 (default) | 0
+_CHOICES = ("auto", "cudnn", "flash", "kernels")
+_DTYPES = (torch.float16, torch.bfloat16)
+_PROBE_TOL = {torch.float16: 2e-2, torch.bfloat16: 5e-2}  # relative (norm) error vs fp32
+
+
+class Sequences(NamedTuple):
+    """Packed THD layout of a standard (non-CP) call: ``cu_seqlens [n+1]`` int32 on the device
+    (zero-length sequences dropped) and the longest sequence."""
+
+    cu_seqlens: torch.Tensor
+    max_len: int
+
+
+class Route(NamedTuple):
+    """A vendor dense attention: ``forward(q, k, v, seqs, scale) -> (out [T, Hq, D],
+    lse [T, Hq] fp32)`` and ``backward(dout, q, k, v, out, lse, seqs, scale, deterministic)
+    -> (dq, dk, dv)``; ``deterministic_backward``: whether ``backward(..., True)`` is."""
+
+    name: str
+    forward: Callable
+    backward: Callable
+    deterministic_backward: bool
+
+
+_NATIVE_LSE: Dict[str, tuple] = {}  # route -> (leading 1, heads first, trailing 1s) seen
+
+
+def _lse_to_th(route: str, lse: torch.Tensor, total: int, heads: int) -> torch.Tensor:
+    """A vendor LSE (``[Hq, T]``, ``[T, Hq]``, a leading 1, trailing 1s) as ``[T, Hq]`` fp32;
+    remembers the vendor layout so :func:`_lse_from_th` can give it back to the backward."""
+    trailing = 0
+    while lse.dim() > 2 and lse.shape[-1] == 1:
+        lse, trailing = lse.squeeze(-1), trailing + 1
+    leading = lse.dim() == 3 and lse.shape[0] == 1
+    if leading:
+        lse = lse[0]
+    heads_first = tuple(lse.shape) == (heads, total) and heads != total
+    if heads_first:
+        lse = lse.t()
+    if tuple(lse.shape) != (total, heads):
+        raise RuntimeError(f"unexpected LSE shape {tuple(lse.shape)} for T={total}, Hq={heads}")
+    _NATIVE_LSE[route] = (leading, heads_first, trailing)
+    return lse.float().contiguous()
+
+
+def _lse_from_th(route: str, lse: torch.Tensor) -> torch.Tensor:
+    leading, heads_first, trailing = _NATIVE_LSE.get(route, (False, True, 0))
+    out = lse.t() if heads_first else lse
+    if leading:
+        out = out.unsqueeze(0)
+    for _ in range(trailing):
+        out = out.unsqueeze(-1)
+    return out.contiguous()
+
+
+@contextmanager
+def _deterministic_algorithms(enabled: bool):
+    if not enabled:
+        yield
+        return
+    before = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=False)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=warn_only)
+
+
+def _seed_pair(device) -> Tuple[torch.Tensor, torch.Tensor]:
+    # dropout is 0: the kernels never read the seed/offset, but the schemas want tensors.
+    return (torch.zeros(2, dtype=torch.int64, device=device),
+            torch.zeros((), dtype=torch.int64, device=device))
+
+
+def _cudnn_forward(q, k, v, seqs: Sequences, scale: float):
+    res = torch.ops.aten._cudnn_attention_forward(
+        q, k, v, None, seqs.cu_seqlens, seqs.cu_seqlens, seqs.max_len, seqs.max_len, True, 0.0,
+        True, False, scale=scale)
+    return res[0], _lse_to_th("cudnn", res[1], q.shape[0], q.shape[1])
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, seqs: Sequences, scale: float, deterministic):
+    seed, offset = _seed_pair(q.device)
+    native = _lse_from_th("cudnn", lse)
+    dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
+        dout.contiguous(), q, k, v, out, native, seed, offset, None, seqs.cu_seqlens,
+        seqs.cu_seqlens, seqs.max_len, seqs.max_len, 0.0, True, scale=scale)
+    return dq, dk, dv
+
+
+def _flash_forward(q, k, v, seqs: Sequences, scale: float):
+    res = torch.ops.aten._flash_attention_forward(
+        q, k, v, seqs.cu_seqlens, seqs.cu_seqlens, seqs.max_len, seqs.max_len, 0.0, True, False,
+        scale=scale)
+    return res[0], _lse_to_th("flash", res[1], q.shape[0], q.shape[1])
+
+
+def _flash_backward(dout, q, k, v, out, lse, seqs: Sequences, scale: float, deterministic):
+    seed, offset = _seed_pair(q.device)
+    native = _lse_from_th("flash", lse)  # varlen FlashAttention-2: [Hq, T]
+    with _deterministic_algorithms(deterministic):
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            dout.contiguous(), q, k, v, out, native, seqs.cu_seqlens, seqs.cu_seqlens,
+            seqs.max_len, seqs.max_len, 0.0, True, seed, offset, scale=scale)
+    return dq, dk, dv
+
+
+ROUTES: Dict[str, Route] = {
+    "cudnn": Route("cudnn", _cudnn_forward, _cudnn_backward, deterministic_backward=False),
+    "flash": Route("flash", _flash_forward, _flash_backward, deterministic_backward=True),
+}
+_PROBED: Dict[tuple, Optional[str]] = {}  # (route, device, dtype, D, gqa) -> None if ok else why
+
+
+def backend_setting() -> str:
+    """``MSA_DENSE_BACKEND`` (``auto`` unless set). Raises ValueError for an unknown name."""
+    name = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+    if name not in _CHOICES:
+        raise ValueError(f"{BACKEND_ENV} must be one of {_CHOICES}, got {name!r}")
+    return name
+
+
+def deterministic_setting() -> bool:
+    """Deterministic backward wanted: ``MSA_DENSE_DETERMINISTIC`` (default 1) or PyTorch's
+    deterministic-algorithms mode."""
+    flag = os.environ.get(DETERMINISTIC_ENV, "1").strip().lower() not in ("0", "false", "no")
+    return flag or torch.are_deterministic_algorithms_enabled()
+
+
+def standard_sequences(q_pos: torch.Tensor, q_kbase: torch.Tensor, total_k: int
+                       ) -> Optional[Sequences]:
+    """The packed sequences of a standard layout, or None for the general (CP) layout.
+
+    Standard: as many query rows as key rows and query ``t`` at key row ``t``
+    (``q_kbase + q_pos == t``). Reads the layout on the host (two synchronisations).
+    """
+    total = q_pos.shape[0]
+    if total != total_k or total == 0:
+        return None
+    rows = torch.arange(total, device=q_pos.device, dtype=torch.int64)
+    if not bool(torch.equal(q_kbase.to(torch.int64) + q_pos.to(torch.int64), rows)):
+        return None
+    starts = torch.nonzero(q_pos == 0).flatten()
+    bounds = torch.cat([starts, starts.new_tensor([total])])
+    max_len = int((bounds[1:] - bounds[:-1]).max().item())
+    return Sequences(bounds.to(torch.int32).contiguous(), max_len)
+
+
+def _supported(q: torch.Tensor, k: torch.Tensor) -> bool:
+    D = q.shape[-1]
+    return (q.is_cuda and q.dtype in _DTYPES and D % 8 == 0 and D <= 256
+            and q.shape[1] % k.shape[1] == 0)
+
+
+def _probe(route: Route, q: torch.Tensor, k: torch.Tensor) -> Optional[str]:
+    """Run ``route`` once on a small packed GQA problem; None if it matches fp32 math."""
+    key = (route.name, str(q.device), q.dtype, q.shape[-1], q.shape[1] != k.shape[1])
+    if key in _PROBED:
+        return _PROBED[key]
+    why = None
+    try:
+        why = _check_route(route, q.device, q.dtype, q.shape[-1], 2 if key[-1] else 1)
+    except Exception as err:  # noqa: BLE001 - any failure means: do not use this route
+        why = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+    if why is not None:
+        warnings.warn(f"msa_megatron dense route {route.name!r} not used on {q.device} "
+                      f"({q.dtype}, D={q.shape[-1]}): {why}", RuntimeWarning, stacklevel=3)
+    _PROBED[key] = why
+    return why
+
+
+def _check_route(route: Route, device, dtype, D: int, group: int) -> Optional[str]:
+    gen = torch.Generator(device="cpu").manual_seed(12)
+    lengths = [70, 1, 0, 186]
+    T, Hkv = sum(lengths), 2
+    Hq = Hkv * group
+    q, k, v, dout = (torch.randn(T, h, D, generator=gen).to(device, dtype)
+                     for h in (Hq, Hkv, Hkv, Hq))
+    cu = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
+    seqs = Sequences(torch.unique_consecutive(cu).to(device, torch.int32), max(lengths))
+    scale = D ** -0.5
+    out, lse = route.forward(q, k, v, seqs, scale)
+    dq, dk, dv = route.backward(dout, q, k, v, out, lse, seqs, scale, route.deterministic_backward)
+    want = _math_reference(q, k, v, dout, cu.tolist(), scale)
+    got = (out, lse, dq, dk, dv)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        if tuple(a.shape) != tuple(b.shape):
+            return f"{name} shape {tuple(a.shape)} != {tuple(b.shape)}"
+        err = (a.float() - b).norm() / b.norm().clamp_min(1e-30)
+        if not bool(torch.isfinite(err)) or float(err) > _PROBE_TOL[dtype]:
+            return f"{name} relative error {float(err):.3g}"
+    return None
+
+
+def _math_reference(q, k, v, dout, cu, scale):
+    """fp32 dense causal attention per sequence with autograd: out, lse, dq, dk, dv."""
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    G = q.shape[1] // k.shape[1]
+    outs, lses = [], []
+    for a, b in zip(cu[:-1], cu[1:]):
+        if b == a:
+            continue
+        s = torch.einsum("qhd,khd->hqk", qf[a:b], kf[a:b].repeat_interleave(G, 1)) * scale
+        mask = torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).tril()
+        s = s.masked_fill(~mask, float("-inf"))
+        lses.append(torch.logsumexp(s, -1).t())
+        outs.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), vf[a:b].repeat_interleave(G, 1)))
+    out, lse = torch.cat(outs), torch.cat(lses)
+    grads = torch.autograd.grad(out, (qf, kf, vf), dout.float())
+    return (out.detach(), lse.detach()) + tuple(grads)
+
+
+def forward_route(q: torch.Tensor, k: torch.Tensor) -> Optional[Route]:
+    """The route for the dense forward of these inputs (None: use our kernels)."""
+    setting = backend_setting()
+    if setting == "kernels" or not _supported(q, k):
+        return None
+    names = ("cudnn", "flash") if setting == "auto" else (setting,)
+    for name in names:
+        if _probe(ROUTES[name], q, k) is None:
+            return ROUTES[name]
+    return None
+
+
+def backward_route(q: torch.Tensor, k: torch.Tensor) -> Tuple[Optional[Route], bool]:
+    """``(route, deterministic)`` for the dense backward (route None: use our kernels, which
+    are deterministic). With a deterministic backward wanted, only a route whose backward can
+    be deterministic is taken."""
+    setting = backend_setting()
+    if setting == "kernels" or not _supported(q, k):
+        return None, True
+    deterministic = deterministic_setting()
+    names = ("cudnn", "flash") if setting == "auto" else (setting,)
+    for name in names:
+        route = ROUTES[name]
+        if deterministic and not route.deterministic_backward:
+            continue
+        if _probe(route, q, k) is None:
+            return route, deterministic
+    return None, True
+
+
+def _refuse(route: Route, q, k, err: Exception) -> None:
+    """A route that passed its probe failed on a real problem (e.g. a size limit): warn once
+    and never use it again for this (device, dtype, D, GQA); the caller falls back."""
+    key = (route.name, str(q.device), q.dtype, q.shape[-1], q.shape[1] != k.shape[1])
+    first_line = str(err).splitlines()[0][:200] if str(err) else ""
+    why = f"{type(err).__name__} at T={q.shape[0]}: {first_line}"
+    _PROBED[key] = why
+    warnings.warn(f"msa_megatron dense route {route.name!r} failed, using the next one: {why}",
+                  RuntimeWarning, stacklevel=3)
+
+
+def dense_forward(q, k, v, q_pos, q_kbase, softmax_scale: float):
+    """``(out [T, Hq, D], lse [T, Hq] fp32)`` from a vendor route, or None when none applies
+    (caller runs its own kernels). Inputs as in the backend contract (``block_idx=None``)."""
+    seqs = None
+    while True:
+        route = forward_route(q, k)
+        if route is None:
+            return None
+        if seqs is None:
+            seqs = standard_sequences(q_pos, q_kbase, k.shape[0])
+            if seqs is None:
+                return None
+        try:
+            return route.forward(q.contiguous(), k.contiguous(), v.contiguous(), seqs,
+                                 float(softmax_scale))
+        except RuntimeError as err:
+            _refuse(route, q, k, err)
+
+
+def dense_backward(dout, q, k, v, out, lse, q_pos, q_kbase, softmax_scale: float):
+    """``(dq, dk, dv)`` from a vendor route, or None (caller runs its own kernels, which take
+    any route's ``out`` and ``lse``)."""
+    seqs = None
+    while True:
+        route, deterministic = backward_route(q, k)
+        if route is None:
+            return None
+        if seqs is None:
+            seqs = standard_sequences(q_pos, q_kbase, k.shape[0])
+            if seqs is None:
+                return None
+        try:
+            return route.backward(dout, q.contiguous(), k.contiguous(), v.contiguous(),
+                                  out.contiguous(), lse, seqs, float(softmax_scale),
+                                  deterministic)
+        except RuntimeError as err:
+            _refuse(route, q, k, err)
+
+
+def route_report(q: torch.Tensor, k: torch.Tensor) -> dict:
+    """What the dense mode uses for inputs like ``q``/``k``: forward and backward route names
+    (``"kernels"`` = ours), the deterministic flag and why any probed route was refused."""
+    fwd = forward_route(q, k)
+    bwd, deterministic = backward_route(q, k)
+    refused = {f"{k_[0]} {k_[2]} D={k_[3]} gqa={k_[4]}": why
+               for k_, why in _PROBED.items() if why is not None}
+    return {"forward": fwd.name if fwd else "kernels", "backward": bwd.name if bwd else "kernels",
+            "deterministic": deterministic, "setting": backend_setting(), "refused": refused}
+
+
+__all__ = ["ROUTES", "Route", "Sequences", "backward_route", "dense_backward", "dense_forward",
+           "forward_route", "route_report", "standard_sequences"]

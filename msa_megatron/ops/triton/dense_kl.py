@@ -1,0 +1,278 @@
+"""Dense (warmup) mode KL: value and both index gradients in one pass over Q K^T.
+
+MSA_SPEC sections 4-5 with the whole causal row as the support. Per index head ``i`` (query
+heads ``h`` of ``i``, KV group ``g``, index key head ``j``), token ``t`` and key ``u``:
+teacher ``T = mean_h exp(s_h - lse_h)`` with the main LSE given (from cuDNN, FlashAttention or
+our forward), student ``log Qs = z - lse_z``, ``KL = sum_u T (log T - log Qs)``,
+``dz = Qs - T``, ``dq_idx = sum_u dz k_idx``, ``dk_idx = sum_t dz q_idx`` (times
+``index_scale * kl_scale``).
+
+Two kernels:
+
+1. ``_lse_z_kernel`` (query-tile-outer, index heads only, 1/(Hq/Hi) of the main work): the
+   student's log-normaliser ``lse_z [Tq, Hi]``.
+2. ``_dense_kl_kernel`` (key-tile-outer): one program per (key tile, index head) loads its K and
+   index-key tiles once and walks the query tiles that can see them. Per query tile it
+   recomputes the teacher from the ``Hq/Hi`` main heads (one ``[BM, BN]`` product each, the only
+   pass over Q K^T), the student from the index product, adds the KL and ``dz^T q_idx`` (the
+   index-key gradient of its own rows, in registers: deterministic), and adds ``dz k_idx`` to
+   the index-query gradient. Several programs add to one query row, so that sum is kept in
+   **64-bit fixed point** (``round_toward_zero(x * 2^36)``, ``atomic_add`` on int64): integer
+   addition is associative, so the result is bitwise the same whatever the order of the atomics
+   (deterministic) and finer than fp32 for values above ``2^-13``. |dq_idx| before scaling is at
+   most ``2 max|k_idx|`` (``sum_u |dz| <= 2``), far inside the int64 range. A NaN or Inf
+   contribution cannot be held in fixed point, so each row also receives ``0 * sum(contribution)``
+   by a float atomic add (0 for finite values, NaN otherwise) that is added at the end. Index
+   rows holding NaN/Inf are zeroed inside the two gradient products (``0 * NaN`` would reach
+   every row of the tile, across sequences) and flagged to exactly the rows whose support
+   holds them, so NaN reaches the gradients of the rows that read it and no others.
+
+Tile sizes: ``MSA_DENSE_KL_TILES="BM,BN,warps,stages"`` (default ``64,128,8,2``); key tiles
+are dealt in order, the earliest (with the most query tiles) first.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import dot_flags, interpreting, mma
+
+TILES_ENV = "MSA_DENSE_KL_TILES"
+_DEFAULT_TILES = (64, 128, 8, 2)
+_FIXED_SCALE = 2.0 ** 36
+# dz = Qs - T lies in [-1, 1]; scaled by a power of two (exact) before it is rounded to fp16/bf16
+# for the matrix products, so small differences keep their precision in fp16.
+_DZ_SCALE = 4096.0
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+
+def tiles() -> tuple:
+    """``(BM, BN, num_warps, num_stages)`` of the main kernel (``MSA_DENSE_KL_TILES``)."""
+    raw = os.environ.get(TILES_ENV, "")
+    if not raw:
+        return _DEFAULT_TILES
+    try:
+        bm, bn, warps, stages = (int(x) for x in raw.split(","))
+    except ValueError as err:
+        raise ValueError(f"{TILES_ENV} must be 'BM,BN,warps,stages', got {raw!r}") from err
+    for name, v in (("BM", bm), ("BN", bn)):
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"{TILES_ENV}: {name} must be a power of two >= 16, got {v}")
+    return bm, bn, warps, stages
+
+
+@triton.jit
+def _lse_z_kernel(qi_ptr, ki_ptr, qpos_ptr, qkb_ptr, lsez_ptr, Tq, Tk, iscale2,
+                  s_it, s_ih, s_jt, s_jh, s_zt,
+                  HPK: tl.constexpr, DI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """``lse_z[t, i]`` (natural log) over the causal row, one program per (query tile, i);
+    the last query tiles (longest rows) first."""
+    m = tl.num_programs(0) - 1 - tl.program_id(0)
+    i = tl.program_id(1)
+    j = i // HPK
+    t = m * BM + tl.arange(0, BM)
+    valid = t < Tq
+    t64 = t.to(tl.int64)
+    di = tl.arange(0, DI)
+    pos = tl.load(qpos_ptr + t, mask=valid, other=-1)
+    kb = tl.load(qkb_ptr + t, mask=valid, other=0)
+    qi = tl.load(qi_ptr + t64[:, None] * s_it + i * s_ih + di[None, :], mask=valid[:, None],
+                 other=0.0)
+    k_lo = tl.min(tl.where(valid, kb, Tk))
+    k_hi = tl.max(tl.where(valid, kb + pos, -1))
+    mz = tl.full([BM], float("-inf"), tl.float32)
+    lz = tl.zeros([BM], tl.float32)
+    for k0 in range(k_lo, k_hi + 1, BN):
+        krow = k0 + tl.arange(0, BN)
+        kmask = krow <= k_hi
+        kit = tl.load(ki_ptr + krow.to(tl.int64)[:, None] * s_jt + j * s_jh + di[None, :],
+                      mask=kmask[:, None], other=0.0)
+        z = mma(qi, tl.trans(kit), UPCAST, IEEE) * iscale2
+        u = krow[None, :] - kb[:, None]
+        inside = (u >= 0) & (u <= pos[:, None]) & valid[:, None] & kmask[None, :]
+        z = tl.where(inside, z, float("-inf"))
+        m_new = tl.maximum(mz, tl.max(z, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        lz = lz * tl.exp2(mz - m_use) + tl.sum(tl.exp2(z - m_use[:, None]), axis=1)
+        mz = m_new
+    lse = (mz + tl.log2(tl.where(lz > 0, lz, 1.0))) * 0.6931471805599453
+    tl.store(lsez_ptr + t64 * s_zt + i, lse, mask=valid)
+
+
+@triton.jit
+def _dense_kl_kernel(
+    q_ptr, k_ptr, lse_ptr, qi_ptr, ki_ptr, lsez_ptr, qpos_ptr, qkb_ptr, mlo_ptr, mhi_ptr,
+    dqfix_ptr, dqnan_ptr, dkpart_ptr, klpart_ptr,
+    Tq, Tk, scale2, iscale2,
+    s_qt, s_qh, s_kt, s_kh, s_lt, s_it, s_ih, s_jt, s_jh, s_zt,
+    HI: tl.constexpr, HPI: tl.constexpr, IPG: tl.constexpr, HPK: tl.constexpr,
+    D: tl.constexpr, DI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    GRAD: tl.constexpr, FIXED: tl.constexpr, DZS: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Key-tile-outer pass: KL partial per program, ``dk_idx`` partial per index head, fixed-point
+    ``dq_idx`` (module docstring)."""
+    n = tl.program_id(0)
+    i = tl.program_id(1)
+    g = i // IPG
+    j = i // HPK
+    d = tl.arange(0, D)
+    di = tl.arange(0, DI)
+    krow = n * BN + tl.arange(0, BN)
+    kmask = krow < Tk
+    k64 = krow.to(tl.int64)
+    kt = tl.load(k_ptr + k64[:, None] * s_kt + g * s_kh + d[None, :], mask=kmask[:, None],
+                 other=0.0)
+    kit = tl.load(ki_ptr + k64[:, None] * s_jt + j * s_jh + di[None, :], mask=kmask[:, None],
+                  other=0.0)
+    # Non-finite index rows are zeroed in the gradient products (a 0 weight times NaN would
+    # reach every row of the tile) and reported through the NaN channels instead.
+    key_bad = tl.sum(kit.to(tl.float32), axis=1) * 0.0 != 0.0
+    kit_safe = tl.where(key_bad[:, None], 0.0, kit).to(kit.dtype)
+    dk = tl.zeros([BN, DI], tl.float32)
+    kl_rows = tl.zeros([BM], tl.float32)
+    m_lo = tl.load(mlo_ptr + n)
+    m_hi = tl.load(mhi_ptr + n)
+    for m in range(m_lo, m_hi):
+        t = m * BM + tl.arange(0, BM)
+        valid = t < Tq
+        t64 = t.to(tl.int64)
+        pos = tl.load(qpos_ptr + t, mask=valid, other=-1)
+        kb = tl.load(qkb_ptr + t, mask=valid, other=0)
+        u = krow[None, :] - kb[:, None]
+        inside = (u >= 0) & (u <= pos[:, None]) & valid[:, None] & kmask[None, :]
+        teacher = tl.zeros([BM, BN], tl.float32)
+        for hl in range(HPI):
+            h = i * HPI + hl
+            qh = tl.load(q_ptr + t64[:, None] * s_qt + h * s_qh + d[None, :],
+                         mask=valid[:, None], other=0.0)
+            lse2 = tl.load(lse_ptr + t64 * s_lt + h, mask=valid, other=0.0) * 1.4426950408889634
+            s2 = mma(qh, tl.trans(kt), UPCAST, IEEE) * scale2 - lse2[:, None]
+            teacher += tl.exp2(tl.where(inside, s2, float("-inf")))
+        teacher = teacher * (1.0 / HPI)
+        qi = tl.load(qi_ptr + t64[:, None] * s_it + i * s_ih + di[None, :], mask=valid[:, None],
+                     other=0.0)
+        lse_z = tl.load(lsez_ptr + t64 * s_zt + i, mask=valid, other=0.0)
+        log_qs = mma(qi, tl.trans(kit), UPCAST, IEEE) * (iscale2 * 0.6931471805599453) \
+            - lse_z[:, None]
+        has_t = inside & (teacher > 0)
+        log_t = tl.log(tl.where(has_t, teacher, 1.0))
+        kl_rows += tl.sum(tl.where(has_t, teacher * (log_t - log_qs), 0.0), axis=1)
+        if GRAD:
+            dz = tl.where(inside, tl.exp(log_qs) - teacher, 0.0) * DZS
+            query_bad = tl.sum(qi.to(tl.float32), axis=1) * 0.0 != 0.0
+            qi_safe = tl.where(query_bad[:, None], 0.0, qi).to(qi.dtype)
+            dk += mma(tl.trans(dz.to(qi.dtype)), qi_safe, UPCAST, IEEE)
+            dk_bad = tl.max((inside & query_bad[:, None]).to(tl.int32), axis=0)
+            dk = tl.where(dk_bad[:, None] > 0, float("nan"), dk)
+            dq = mma(dz.to(kit.dtype), kit_safe, UPCAST, IEEE)
+            dq_bad = tl.max((inside & key_bad[None, :]).to(tl.int32), axis=1)
+            fixed = (dq * (FIXED / DZS)).to(tl.int64)
+            tl.atomic_add(dqfix_ptr + (t64[:, None] * HI + i) * DI + di[None, :], fixed,
+                          mask=valid[:, None], sem="relaxed")
+            poison = tl.sum(dq, axis=1) * 0.0 + tl.where(dq_bad > 0, float("nan"), 0.0)
+            tl.atomic_add(dqnan_ptr + t64 * HI + i, poison, mask=valid, sem="relaxed")
+    tl.store(klpart_ptr + n * HI + i, tl.sum(kl_rows, axis=0))
+    if GRAD:
+        tl.store(dkpart_ptr + (i * Tk + k64[:, None]) * DI + di[None, :], dk * (1.0 / DZS),
+                 mask=kmask[:, None])
+
+
+def _query_tile_ranges(q_pos: torch.Tensor, q_kbase: torch.Tensor, Tk: int, bm: int, bn: int):
+    """Per key tile ``n``: the query tiles ``[m_lo, m_hi)`` that may see one of its keys.
+
+    Query tile ``m`` reads key rows ``[min kbase, max kbase + pos]`` over its rows; the bounds
+    are made monotone (running max / reverse running min), so each key tile gets one contiguous
+    range, a superset of the tiles that see it (the kernel masks per element). No host sync.
+    """
+    Tq = q_pos.shape[0]
+    n_m = triton.cdiv(Tq, bm)
+    pad = n_m * bm - Tq
+    kb = q_kbase.to(torch.int64)
+    hi = kb + q_pos.to(torch.int64)
+    lo_t = torch.nn.functional.pad(kb, (0, pad), value=Tk).view(n_m, bm).amin(1)
+    hi_t = torch.nn.functional.pad(hi, (0, pad), value=-1).view(n_m, bm).amax(1)
+    hi_t = torch.cummax(hi_t, 0).values
+    lo_t = torch.flip(torch.cummin(torch.flip(lo_t, (0,)), 0).values, (0,))
+    starts = torch.arange(0, triton.cdiv(Tk, bn), device=q_pos.device, dtype=torch.int64) * bn
+    # first m with hi_t >= start; first m with lo_t > last key of the tile
+    m_lo = torch.searchsorted(hi_t.contiguous(), starts, right=False)
+    m_hi = torch.searchsorted(lo_t.contiguous(), starts + (bn - 1), right=True)
+    m_hi = torch.maximum(m_hi, m_lo)
+    return m_lo.to(torch.int32).contiguous(), m_hi.to(torch.int32).contiguous()
+
+
+def dense_kl_loss(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: float,
+                  index_scale: float, kl_scale: float, compute_grad: bool) -> tuple:
+    """``kl_scale * sum_{p,i} KL[i,p]`` over the whole causal row, and its index gradients.
+
+    Args:
+        q: ``[Tq, Hq, D]``, k: ``[Tk, Hkv, D]`` main queries / keys (read only).
+        lse: ``[Tq, Hq]`` fp32 main LSE (natural log) of the dense forward.
+        q_idx: ``[Tq, Hi, Di]``, k_idx: ``[Tk, Hik, Di]``; same dtype as q.
+        q_pos, q_kbase: ``[Tq]`` int32 query layout (:mod:`msa_megatron.layout`).
+        softmax_scale, index_scale, kl_scale: resolved floats.
+        compute_grad: also return the gradients.
+
+    Returns:
+        ``(kl 0-dim fp32, dq_idx [Tq, Hi, Di] fp32 or [0], dk_idx [Tk, Hik, Di] fp32 or [0])``:
+        the contract of the backend ``kl`` kernel with ``block_idx=None``.
+    """
+    Tq, Hq, D = q.shape
+    Tk, Hkv, _ = k.shape
+    Hi, Di = q_idx.shape[1], q_idx.shape[2]
+    Hik = k_idx.shape[1]
+    dev = q.device
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if Tq == 0:
+        grads = ((torch.zeros(q_idx.shape, dtype=acc, device=dev),
+                  torch.zeros(k_idx.shape, dtype=acc, device=dev)) if compute_grad
+                 else (q_idx.new_empty((0,)), k_idx.new_empty((0,))))
+        return torch.zeros((), dtype=torch.float32, device=dev), *grads
+    q, k, lse, q_idx, k_idx = (x.contiguous() for x in (q, k, lse, q_idx, k_idx))
+    lse = lse.float()
+    upcast, ieee = dot_flags(q.dtype)
+    bm, bn, warps, stages = tiles()
+    if interpreting():
+        bm, bn, warps, stages = 16, 16, 4, 1
+    scale2 = float(softmax_scale) * _LOG2E
+    iscale2 = float(index_scale) * _LOG2E
+    lse_z = torch.empty((Tq, Hi), dtype=torch.float32, device=dev)
+    _lse_z_kernel[(triton.cdiv(Tq, bm), Hi)](
+        q_idx, k_idx, q_pos, q_kbase, lse_z, Tq, Tk, iscale2,
+        q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), k_idx.stride(1), lse_z.stride(0),
+        HPK=Hi // Hik, DI=Di, BM=bm, BN=bn, UPCAST=upcast, IEEE=ieee, num_warps=4,
+    )
+    m_lo, m_hi = _query_tile_ranges(q_pos, q_kbase, Tk, bm, bn)
+    n_tiles = triton.cdiv(Tk, bn)
+    kl_part = torch.empty(n_tiles * Hi, dtype=torch.float32, device=dev)
+    if compute_grad:
+        dq_fixed = torch.zeros((Tq, Hi, Di), dtype=torch.int64, device=dev)
+        dq_nan = torch.zeros((Tq, Hi), dtype=torch.float32, device=dev)
+        dk_part = torch.empty((Hi, Tk, Di), dtype=torch.float32, device=dev)
+    else:
+        dq_fixed = dq_nan = dk_part = kl_part  # unused placeholders
+    _dense_kl_kernel[(n_tiles, Hi)](
+        q, k, lse, q_idx, k_idx, lse_z, q_pos, q_kbase, m_lo, m_hi, dq_fixed, dq_nan, dk_part,
+        kl_part, Tq, Tk, scale2, iscale2,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0), q_idx.stride(0),
+        q_idx.stride(1), k_idx.stride(0), k_idx.stride(1), lse_z.stride(0),
+        HI=Hi, HPI=Hq // Hi, IPG=Hi // Hkv, HPK=Hi // Hik, D=D, DI=Di, BM=bm, BN=bn,
+        GRAD=compute_grad, FIXED=_FIXED_SCALE, DZS=_DZ_SCALE, UPCAST=upcast, IEEE=ieee,
+        num_warps=warps, num_stages=stages,
+    )
+    value = kl_part.sum() * kl_scale
+    if not compute_grad:
+        return value, q_idx.new_empty((0,)), k_idx.new_empty((0,))
+    out_scale = float(index_scale) * float(kl_scale)
+    dq_idx = (dq_fixed.to(torch.float64) * (out_scale / _FIXED_SCALE)).to(acc)
+    dq_idx = dq_idx + dq_nan.to(acc)[:, :, None]
+    # index heads reading one index key head, summed in a fixed order
+    dk_idx = dk_part.view(Hik, Hi // Hik, Tk, Di).sum(1).transpose(0, 1) * out_scale
+    return value, dq_idx.contiguous(), dk_idx.to(acc).contiguous()

@@ -20,12 +20,15 @@ Two kernels:
    **64-bit fixed point** (``round_toward_zero(x * 2^36)``, ``atomic_add`` on int64): integer
    addition is associative, so the result is bitwise the same whatever the order of the atomics
    (deterministic) and finer than fp32 for values above ``2^-13``. |dq_idx| before scaling is at
-   most ``2 max|k_idx|`` (``sum_u |dz| <= 2``), far inside the int64 range. A NaN or Inf
-   contribution cannot be held in fixed point, so each row also receives ``0 * sum(contribution)``
-   by a float atomic add (0 for finite values, NaN otherwise) that is added at the end. Index
-   rows holding NaN/Inf are zeroed inside the two gradient products (``0 * NaN`` would reach
-   every row of the tile, across sequences) and flagged to exactly the rows whose support
-   holds them, so NaN reaches the gradients of the rows that read it and no others.
+   most ``2 max|k_idx|`` (``sum_u |dz| <= 2``), far inside the int64 range.
+
+Non-finite inputs (MSA_SPEC section 7, issue 15's scheme of :mod:`._isolation`): both gradient
+products are :func:`~._isolation.support_mma` (the plain product when the index tile is finite,
+a per-tile check; else NaN exactly where a row's support meets a NaN/Inf index row), supports
+are applied with ``where``, never by multiplying, ``lse_z`` is :func:`~._isolation.log_sum_exp`
+(NaN/+inf kept) and a NaN teacher entry counts in the KL (``T != 0``), so the KL is NaN as soon
+as one row's is. A NaN/Inf ``dq_idx`` entry cannot be held in fixed point: it is stored as 0
+there and its row receives NaN by a float atomic add (only 0 or NaN are added: deterministic).
 
 Tile sizes: ``MSA_DENSE_KL_TILES="BM,BN,warps,stages"`` (default ``64,128,8,2``); key tiles
 are dealt in order, the earliest (with the most query tiles) first.
@@ -40,6 +43,7 @@ import triton
 import triton.language as tl
 
 from ._common import dot_flags, interpreting, mma
+from ._isolation import log_sum_exp, nonfinite, support_mma
 
 TILES_ENV = "MSA_DENSE_KL_TILES"
 _DEFAULT_TILES = (64, 128, 8, 2)
@@ -48,7 +52,6 @@ _FIXED_SCALE = 2.0 ** 36
 # for the matrix products, so small differences keep their precision in fp16.
 _DZ_SCALE = 4096.0
 _LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
 
 
 def tiles() -> tuple:
@@ -67,7 +70,7 @@ def tiles() -> tuple:
 
 
 @triton.jit
-def _lse_z_kernel(qi_ptr, ki_ptr, qpos_ptr, qkb_ptr, lsez_ptr, Tq, Tk, iscale2,
+def _lse_z_kernel(qi_ptr, ki_ptr, qpos_ptr, qkb_ptr, lsez_ptr, Tq, Tk, iscale,
                   s_it, s_ih, s_jt, s_jh, s_zt,
                   HPK: tl.constexpr, DI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   UPCAST: tl.constexpr, IEEE: tl.constexpr):
@@ -93,15 +96,15 @@ def _lse_z_kernel(qi_ptr, ki_ptr, qpos_ptr, qkb_ptr, lsez_ptr, Tq, Tk, iscale2,
         kmask = krow <= k_hi
         kit = tl.load(ki_ptr + krow.to(tl.int64)[:, None] * s_jt + j * s_jh + di[None, :],
                       mask=kmask[:, None], other=0.0)
-        z = mma(qi, tl.trans(kit), UPCAST, IEEE) * iscale2
+        z = mma(qi, tl.trans(kit), UPCAST, IEEE) * iscale
         u = krow[None, :] - kb[:, None]
         inside = (u >= 0) & (u <= pos[:, None]) & valid[:, None] & kmask[None, :]
         z = tl.where(inside, z, float("-inf"))
         m_new = tl.maximum(mz, tl.max(z, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        lz = lz * tl.exp2(mz - m_use) + tl.sum(tl.exp2(z - m_use[:, None]), axis=1)
+        lz = lz * tl.exp(mz - m_use) + tl.sum(tl.exp(z - m_use[:, None]), axis=1)
         mz = m_new
-    lse = (mz + tl.log2(tl.where(lz > 0, lz, 1.0))) * 0.6931471805599453
+    lse = log_sum_exp(mz, lz)  # NaN / +inf kept (MSA_SPEC 7)
     tl.store(lsez_ptr + t64 * s_zt + i, lse, mask=valid)
 
 
@@ -109,7 +112,7 @@ def _lse_z_kernel(qi_ptr, ki_ptr, qpos_ptr, qkb_ptr, lsez_ptr, Tq, Tk, iscale2,
 def _dense_kl_kernel(
     q_ptr, k_ptr, lse_ptr, qi_ptr, ki_ptr, lsez_ptr, qpos_ptr, qkb_ptr, mlo_ptr, mhi_ptr,
     dqfix_ptr, dqnan_ptr, dkpart_ptr, klpart_ptr,
-    Tq, Tk, scale2, iscale2,
+    Tq, Tk, scale2, iscale,
     s_qt, s_qh, s_kt, s_kh, s_lt, s_it, s_ih, s_jt, s_jh, s_zt,
     HI: tl.constexpr, HPI: tl.constexpr, IPG: tl.constexpr, HPK: tl.constexpr,
     D: tl.constexpr, DI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -131,10 +134,9 @@ def _dense_kl_kernel(
                  other=0.0)
     kit = tl.load(ki_ptr + k64[:, None] * s_jt + j * s_jh + di[None, :], mask=kmask[:, None],
                   other=0.0)
-    # Non-finite index rows are zeroed in the gradient products (a 0 weight times NaN would
-    # reach every row of the tile) and reported through the NaN channels instead.
-    key_bad = tl.sum(kit.to(tl.float32), axis=1) * 0.0 != 0.0
-    kit_safe = tl.where(key_bad[:, None], 0.0, kit).to(kit.dtype)
+    # Gradient products go through support_mma (MSA_SPEC 7): a 0 weight times a NaN/Inf index
+    # row would otherwise reach every row of the tile, across sequences.
+    kit_bad = nonfinite(kit)
     dk = tl.zeros([BN, DI], tl.float32)
     kl_rows = tl.zeros([BM], tl.float32)
     m_lo = tl.load(mlo_ptr + n)
@@ -159,24 +161,24 @@ def _dense_kl_kernel(
         qi = tl.load(qi_ptr + t64[:, None] * s_it + i * s_ih + di[None, :], mask=valid[:, None],
                      other=0.0)
         lse_z = tl.load(lsez_ptr + t64 * s_zt + i, mask=valid, other=0.0)
-        log_qs = mma(qi, tl.trans(kit), UPCAST, IEEE) * (iscale2 * 0.6931471805599453) \
-            - lse_z[:, None]
-        has_t = inside & (teacher > 0)
+        # natural units, the very z of _lse_z_kernel: z - lse_z cancels exactly at large |z|
+        log_qs = mma(qi, tl.trans(kit), UPCAST, IEEE) * iscale - lse_z[:, None]
+        # != 0 (not > 0): a NaN teacher (non-finite q/k/lse in the row's support) makes the KL NaN
+        has_t = inside & (teacher != 0)
         log_t = tl.log(tl.where(has_t, teacher, 1.0))
         kl_rows += tl.sum(tl.where(has_t, teacher * (log_t - log_qs), 0.0), axis=1)
         if GRAD:
             dz = tl.where(inside, tl.exp(log_qs) - teacher, 0.0) * DZS
-            query_bad = tl.sum(qi.to(tl.float32), axis=1) * 0.0 != 0.0
-            qi_safe = tl.where(query_bad[:, None], 0.0, qi).to(qi.dtype)
-            dk += mma(tl.trans(dz.to(qi.dtype)), qi_safe, UPCAST, IEEE)
-            dk_bad = tl.max((inside & query_bad[:, None]).to(tl.int32), axis=0)
-            dk = tl.where(dk_bad[:, None] > 0, float("nan"), dk)
-            dq = mma(dz.to(kit.dtype), kit_safe, UPCAST, IEEE)
-            dq_bad = tl.max((inside & key_bad[None, :]).to(tl.int32), axis=1)
-            fixed = (dq * (FIXED / DZS)).to(tl.int64)
+            dk += support_mma(tl.trans(dz.to(qi.dtype)), qi, nonfinite(qi), tl.trans(inside),
+                              UPCAST, IEEE)
+            dq = support_mma(dz.to(kit.dtype), kit, kit_bad, inside, UPCAST, IEEE)
+            # Fixed point holds the finite entries; a row with a NaN/Inf entry gets NaN through
+            # the float channel (only 0 or NaN are added there: order-independent).
+            dq_bad = nonfinite(dq)
+            fixed = (tl.where(dq_bad, 0.0, dq) * (FIXED / DZS)).to(tl.int64)
             tl.atomic_add(dqfix_ptr + (t64[:, None] * HI + i) * DI + di[None, :], fixed,
                           mask=valid[:, None], sem="relaxed")
-            poison = tl.sum(dq, axis=1) * 0.0 + tl.where(dq_bad > 0, float("nan"), 0.0)
+            poison = tl.where(tl.max(dq_bad.to(tl.int32), axis=1) > 0, float("nan"), 0.0)
             tl.atomic_add(dqnan_ptr + t64 * HI + i, poison, mask=valid, sem="relaxed")
     tl.store(klpart_ptr + n * HI + i, tl.sum(kl_rows, axis=0))
     if GRAD:
@@ -242,10 +244,10 @@ def dense_kl_loss(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: float,
     if interpreting():
         bm, bn, warps, stages = 16, 16, 4, 1
     scale2 = float(softmax_scale) * _LOG2E
-    iscale2 = float(index_scale) * _LOG2E
+    iscale = float(index_scale)
     lse_z = torch.empty((Tq, Hi), dtype=torch.float32, device=dev)
     _lse_z_kernel[(triton.cdiv(Tq, bm), Hi)](
-        q_idx, k_idx, q_pos, q_kbase, lse_z, Tq, Tk, iscale2,
+        q_idx, k_idx, q_pos, q_kbase, lse_z, Tq, Tk, iscale,
         q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), k_idx.stride(1), lse_z.stride(0),
         HPK=Hi // Hik, DI=Di, BM=bm, BN=bn, UPCAST=upcast, IEEE=ieee, num_warps=4,
     )
@@ -260,7 +262,7 @@ def dense_kl_loss(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: float,
         dq_fixed = dq_nan = dk_part = kl_part  # unused placeholders
     _dense_kl_kernel[(n_tiles, Hi)](
         q, k, lse, q_idx, k_idx, lse_z, q_pos, q_kbase, m_lo, m_hi, dq_fixed, dq_nan, dk_part,
-        kl_part, Tq, Tk, scale2, iscale2,
+        kl_part, Tq, Tk, scale2, iscale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0), q_idx.stride(0),
         q_idx.stride(1), k_idx.stride(0), k_idx.stride(1), lse_z.stride(0),
         HI=Hi, HPI=Hq // Hi, IPG=Hi // Hkv, HPK=Hi // Hik, D=D, DI=Di, BM=bm, BN=bn,

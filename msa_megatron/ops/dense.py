@@ -23,7 +23,9 @@ always forces the deterministic choice. docs/DESIGN.md gives the cost of each.
 Every route is checked once per (device, dtype, head dim, GQA or not) on a small packed problem
 against a float32 computation before it is used; a route that raises or disagrees is skipped
 (with a warning), so a PyTorch version with different operator conventions falls back instead
-of giving wrong results. :func:`route_report` says what was chosen.
+of giving wrong results. :func:`route_report` says what was chosen. Inputs holding NaN/Inf
+take our kernels (MSA_SPEC section 7: a vendor kernel's ``0 * NaN`` inside a tile reaches rows
+whose support does not hold the value).
 """
 
 from __future__ import annotations
@@ -291,9 +293,22 @@ def _refuse(route: Route, q, k, err: Exception) -> None:
                   RuntimeWarning, stacklevel=3)
 
 
+def _all_finite(*tensors: torch.Tensor) -> bool:
+    """Whether every entry is finite: one fp32 sum per tensor (no copy) and one host sync.
+
+    A vendor kernel multiplies a masked-out probability (0) by a NaN/Inf value or key row
+    within its tiles, which reaches rows whose support does not hold it (MSA_SPEC section 7);
+    non-finite inputs therefore go to our kernels. A finite input whose sum overflows fp32 only
+    sends the call to our kernels too (still correct).
+    """
+    sums = torch.stack([t.sum(dtype=torch.float32) for t in tensors])
+    return bool(torch.isfinite(sums.sum()))
+
+
 def dense_forward(q, k, v, q_pos, q_kbase, softmax_scale: float):
     """``(out [T, Hq, D], lse [T, Hq] fp32)`` from a vendor route, or None when none applies
-    (caller runs its own kernels). Inputs as in the backend contract (``block_idx=None``)."""
+    (caller runs its own kernels). Inputs as in the backend contract (``block_idx=None``);
+    inputs holding NaN/Inf never take a vendor route (:func:`_all_finite`)."""
     seqs = None
     while True:
         route = forward_route(q, k)
@@ -301,7 +316,7 @@ def dense_forward(q, k, v, q_pos, q_kbase, softmax_scale: float):
             return None
         if seqs is None:
             seqs = standard_sequences(q_pos, q_kbase, k.shape[0])
-            if seqs is None:
+            if seqs is None or not _all_finite(q, k, v):
                 return None
         try:
             return route.forward(q.contiguous(), k.contiguous(), v.contiguous(), seqs,
@@ -312,7 +327,7 @@ def dense_forward(q, k, v, q_pos, q_kbase, softmax_scale: float):
 
 def dense_backward(dout, q, k, v, out, lse, q_pos, q_kbase, softmax_scale: float):
     """``(dq, dk, dv)`` from a vendor route, or None (caller runs its own kernels, which take
-    any route's ``out`` and ``lse``)."""
+    any route's ``out`` and ``lse``); NaN/Inf in q, k, v or dout never take a vendor route."""
     seqs = None
     while True:
         route, deterministic = backward_route(q, k)
@@ -320,7 +335,7 @@ def dense_backward(dout, q, k, v, out, lse, q_pos, q_kbase, softmax_scale: float
             return None
         if seqs is None:
             seqs = standard_sequences(q_pos, q_kbase, k.shape[0])
-            if seqs is None:
+            if seqs is None or not _all_finite(q, k, v, dout):
                 return None
         try:
             return route.backward(dout, q.contiguous(), k.contiguous(), v.contiguous(),

@@ -227,3 +227,26 @@ def test_a_route_failing_on_a_real_problem_falls_back(fake_routes, monkeypatch, 
     for name, a, b in zip(("out", "kl") + NAMES, routed, ours):
         assert_close(a, b, 1e-5, name)
     assert dense.backward_route(x["q"], x["k"]) == (None, True)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("tensor", ["q", "k", "v"])
+def test_non_finite_inputs_keep_our_kernels(fake_routes, monkeypatch, seed, tensor):
+    """MSA_SPEC section 7: a vendor kernel spreads a NaN key/value row to the earlier rows of
+    its tile (0 * NaN), so inputs holding NaN take our kernels, forward and backward."""
+    x = _inputs(seed)
+    with torch.no_grad():
+        x[tensor][30, 1, 2] = float("nan")  # second sequence (23 + 0 + 41 tokens)
+    monkeypatch.setenv(dense.BACKEND_ENV, "kernels")
+    ours = _run(x)
+    monkeypatch.delenv(dense.BACKEND_ENV)
+    rec = fake_routes()
+    for name in ("cudnn", "flash"):
+        assert dense._probe(dense.ROUTES[name], x["q"], x["k"]) is None
+    rec.calls.clear()
+    routed = _run(x)
+    assert rec.calls == []
+    for name, a, b in zip(("out", "kl") + NAMES, routed, ours):
+        assert torch.equal(a.isnan(), b.isnan()), name
+        assert name == "kl" or torch.isfinite(a[:23]).all(), name  # first sequence
+        assert_close(a.nan_to_num(), b.nan_to_num(), 1e-5, name)

@@ -6,7 +6,9 @@
 #            correctness checks (--quick-checks, no timing rows)
 #   megatron (GPUs 0+1) tests/megatron TP/modes/probe in CUDA mode, triton backend
 #   resume   (GPUs 0+1) benchmarks/gpu_integration.sh data train resume
-#   retrieval (GPU 0) examples/run_retrieval.sh at 8K (RETRIEVAL_ARGS), results in runs/r8k
+#   compile  (GPU 1) benchmarks/bench_compile.py checks: torch.compile of the op and of a GPT layer,
+#            dense-mode routes vs our kernels and the oracle (no timing sections)
+#   retrieval (GPU 0) examples/run_retrieval.sh at 8K, results in runs/r8k
 # Usage: bash benchmarks/gpu_checks.sh [lanes...]; logs in $OUT/gpu_checks.tgz (with runs/r8k),
 # their tails and a summary line printed last.
 set -u
@@ -21,7 +23,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 else
     export PYTHONPATH=$PWD
 fi
-lanes=${*:-kernels megatron resume retrieval}
+lanes=${*:-kernels compile megatron resume retrieval}
 LIMIT=${LIMIT:-380}
 has() { [[ " $lanes " == *" $1 "* ]]; }
 declare -A PIDS
@@ -41,6 +43,11 @@ if has kernels; then
       timeout 150 python3 benchmarks/bench_kernels.py "$OUT/kernels_checks.json" --budget 140 \
           --configs paper-8k --flex-configs "" --quick-checks > "$OUT/kernels_bench.log" 2>&1
       exit $(( rc || $? )) ) & PIDS[kernels]=$!
+fi
+if has compile; then
+    ( CUDA_VISIBLE_DEVICES=1 timeout $LIMIT python3 benchmarks/bench_compile.py \
+        "$OUT/compile.json" --budget $((LIMIT - 30)) --sections op,dense_checks,layer \
+        > "$OUT/compile.log" 2>&1 ) & PIDS[compile]=$!
 fi
 if has megatron; then
     ( MSA_TEST_DEVICE=cuda MSA_TEST_BACKEND=triton timeout $LIMIT python3 -m pytest -q -x \

@@ -318,7 +318,10 @@ def kl_loss(
             q_idx.new_empty((0,)), k_idx.new_empty((0,)))
         return torch.zeros((), dtype=torch.float32, device=dev), *empty
     upcast, ieee = dot_flags(q.dtype)
-    tok, hr = query_tiling(hpi, KL_ROWS if block_idx is not None else GATHER_ROWS)
+    # 64 query rows per key-side tile: with 128 (KL_ROWS) the sparse pass-B kernel at
+    # D = Di = 128 needs 256 KiB of shared memory under Triton 3.6 (H200 limit 227 KiB; 176 KiB
+    # with 64 rows), which the interpreter does not check.
+    tok, hr = query_tiling(hpi, GATHER_ROWS)
     scales = (float(softmax_scale), float(index_scale), float(kl_scale))
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
                q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), k_idx.stride(1))

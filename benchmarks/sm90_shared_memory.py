@@ -1,0 +1,134 @@
+"""Compile every Triton kernel launch of the paper-like shapes for sm_90 on a machine without a GPU
+and report its shared memory against the H100/H200 limit (227 KiB).
+
+The interpreter (``TRITON_INTERPRET=1``) runs the kernels on CPU but checks no hardware limit: a
+kernel can pass every CPU test and still fail on the GPU with ``OutOfResources: shared memory``
+(seen 2026-11-30: the sparse KL pass-B kernel at D = Di = 128 asked for 256 KiB). This script
+records each launch's signature and constexprs while the backend runs under the interpreter at
+real tile sizes (tiny token counts), then compiles each one for ``GPUTarget("cuda", 90, 32)``.
+Compile with the Triton version of the GPU machine (3.6 there; shared-memory use differs
+between versions, and 3.6's interpreter fails on this CPU's numpy), so record and compile are
+two steps::
+
+    python benchmarks/sm90_shared_memory.py record /tmp/launches.pkl        # any Triton
+    pip install --target /tmp/t36 triton==3.6.0
+    PYTHONPATH=/tmp/t36:$PWD python benchmarks/sm90_shared_memory.py compile /tmp/launches.pkl
+
+Exit status 1 when a kernel fails to compile or needs more than the limit.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import pickle
+import sys
+
+if sys.argv[1:2] == ["record"]:  # kernels run on CPU; compiling needs real JIT functions
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime import interpreter  # noqa: E402
+
+SHARED_LIMIT = 232448  # bytes per block on sm_90 (227 KiB)
+POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16",
+                 torch.int32: "*i32", torch.int64: "*i64", torch.int8: "*i8", torch.bool: "*i1"}
+
+
+def record_launches():
+    """Run the triton backend on paper-like shapes; return {key: (module, kernel name,
+    signature, constexprs, num_warps)} of every distinct launch."""
+    launches = {}
+    original = interpreter.GridExecutor.__call__
+
+    def recording(self, *args, **kwargs):
+        fn = self.fn
+        values = dict(zip(self.arg_names, args))
+        values.update({k: v for k, v in kwargs.items()
+                       if k not in ("num_warps", "num_stages", "num_ctas")})
+        defaults = {k: p.default for k, p in
+                    inspect.signature(getattr(fn, "fn", fn)).parameters.items()}
+        signature, constants = {}, {}
+        for name in self.arg_names:
+            value = values.get(name, defaults.get(name))
+            if name in self.constexprs:
+                signature[name], constants[name] = "constexpr", value
+            elif isinstance(value, torch.Tensor):
+                signature[name] = POINTER_TYPES[value.dtype]
+            elif isinstance(value, bool):
+                signature[name] = "i1"
+            elif isinstance(value, int):
+                signature[name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
+            elif isinstance(value, float):
+                signature[name] = "fp32"
+            else:
+                raise TypeError(f"{fn.__name__}: argument {name} of type {type(value)}")
+        key = (fn.__module__, fn.__name__, tuple(sorted(map(str, constants.items()))))
+        launches[key] = (fn.__module__, fn.__name__, signature, constants,
+                         kwargs.get("num_warps", 4))
+        return original(self, *args, **kwargs)
+
+    interpreter.GridExecutor.__call__ = recording
+    try:
+        from msa_megatron import msa_attention
+
+        for hq, hkv, hi, dtype, lengths in ((64, 4, 4, torch.bfloat16, [300]),
+                                            (16, 2, 4, torch.bfloat16, [200, 60]),
+                                            (16, 1, 1, torch.float16, [260])):
+            T = sum(lengths)
+            cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+            leaves = [torch.randn(T, h, 128).to(dtype).requires_grad_()
+                      for h in (hq, hkv, hkv, hi, 1)]
+            for mode in ("sparse", "dense"):
+                out, kl = msa_attention(*leaves, cu, block_size=128, top_k=16, mode=mode,
+                                        backend="triton")
+                torch.autograd.grad((out, kl), leaves, (torch.randn_like(out), torch.ones_like(kl)))
+    finally:
+        interpreter.GridExecutor.__call__ = original
+    return launches
+
+
+def compile_launches(launches) -> int:
+    """Compile each recorded launch for sm_90; print shared memory; return the number of bad ones."""
+    target = GPUTarget("cuda", 90, 32)
+    bad = 0
+    print(f"triton {triton.__version__}: {len(launches)} kernel specialisations")
+    for module, name, signature, constants, warps in launches:
+        fn = getattr(importlib.import_module(module), name)
+        shown = {k: v for k, v in constants.items() if k in ("HR", "TOK", "D", "DI", "BN", "KS",
+                                                             "SPARSE", "FULL", "TOPK")}
+        try:
+            kernel = triton.compile(ASTSource(fn, signature, constants), target=target,
+                                    options=dict(num_warps=warps))
+            shared = kernel.metadata.shared
+            over = shared > SHARED_LIMIT
+            bad += over
+            print(f"{'OVER' if over else 'ok  '} {name} {shown} warps {warps} shared {shared}")
+        except Exception as error:  # a compile error is a finding, not a crash of the tool
+            bad += 1
+            print(f"FAIL {name} {shown}: {type(error).__name__}: {str(error)[-300:]}")
+    print(f"{bad} kernel(s) over the limit or failing")
+    return bad
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2 or argv[0] not in ("record", "compile"):
+        print(__doc__)
+        return 2
+    if argv[0] == "record":
+        launches = sorted(record_launches().values(), key=lambda r: (r[1], str(r[3])))
+        with open(argv[1], "wb") as f:
+            pickle.dump(launches, f)
+        print(f"recorded {len(launches)} kernel specialisations to {argv[1]}")
+        return 0
+    with open(argv[1], "rb") as f:
+        return 1 if compile_launches(pickle.load(f)) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

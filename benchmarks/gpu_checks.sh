@@ -15,14 +15,7 @@ set -u
 FINAL=${OUT:-/tmp/out}
 OUT=/tmp/gpu_checks
 mkdir -p "$OUT" "$FINAL"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site:$PWD
-else
-    export PYTHONPATH=$PWD
-fi
+. benchmarks/gpu_env.sh
 lanes=${*:-kernels compile megatron resume retrieval}
 LIMIT=${LIMIT:-380}
 has() { [[ " $lanes " == *" $1 "* ]]; }

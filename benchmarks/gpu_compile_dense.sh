@@ -8,14 +8,7 @@
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site:$PWD
-else
-    export PYTHONPATH=$PWD
-fi
+. benchmarks/gpu_env.sh
 timeout "${LIMIT:-325}" python3 benchmarks/bench_compile.py "$OUT/compile_dense_h200.json" \
     --budget "${BUDGET:-300}" > "$OUT/compile_dense.log" 2>&1
 echo "exit $?"

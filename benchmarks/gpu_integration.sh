@@ -17,15 +17,8 @@ set -u
 OUT=${OUT:-/tmp/out}
 RUN=${RUN:-/tmp/msa_integration}    # checkpoints and data (absolute)
 mkdir -p "$OUT" "$RUN"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site:$PWD
-else
-    export PYTHONPATH=$PWD
-fi
+. benchmarks/gpu_env.sh
+export CUDA_DEVICE_MAX_CONNECTIONS=1
 python3 -c "import sys, torch, triton, megatron.core as mc; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'megatron-core', mc.__version__, 'gpus', torch.cuda.device_count(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')" | tee "$OUT/versions.txt"
 steps=${*:-tests data train resume convert recipe}
 KIT=examples/megatron_lm

@@ -4,11 +4,7 @@
 # each (shared dense warm-up, then msa / random / local / dense). megatron-core comes from
 # wheels in .whl/ when present. Results: runs/r8k, runs/r32k (and $OUT/r19.tgz).
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site
-fi
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. benchmarks/gpu_env.sh
 C="--task-len-min 256 --value-vocab 32 --lr 2e-3 --answer-weight 32 --eval-interval 100 --probe-interval 100 --log-interval 100 --eval-windows 2"
 CUDA_VISIBLE_DEVICES=0 LEN=32768 STEPS=1300 WARMUP=1000 TOPK=8 OUT=runs/r8k timeout 545 bash examples/run_retrieval.sh $C --task-len 8192 --pairs 256 --queries 128 --min-distance 1024 --key-vocab 512 > r8k.out 2>&1 &
 CUDA_VISIBLE_DEVICES=1 LEN=32768 STEPS=760 WARMUP=600 TOPK=16 OUT=runs/r32k timeout 545 bash examples/run_retrieval.sh $C --task-len 32768 --pairs 512 --queries 256 --min-distance 4096 --key-vocab 1024 > r32k.out 2>&1 &

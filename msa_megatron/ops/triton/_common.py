@@ -2,6 +2,25 @@
 
 Importing this module imports Triton; :mod:`msa_megatron.ops.triton` imports it lazily, so
 ``import msa_megatron`` never pulls Triton in (``TRITON_INTERPRET`` must be set before that).
+
+Glossary of the kernels' constexpr names (shapes as in MSA_SPEC: Hq query heads, Hkv KV groups,
+Hi index heads, Hik index key heads):
+
+- ``D``, ``DI``: head dims of the main branch and of the index branch.
+- ``HI``: index heads Hi; ``HPI``: query heads per index head (Hq / Hi); ``IPG``: index heads
+  per KV group (Hi / Hkv); ``HPK``: index heads per index key head (Hi / Hik).
+- ``TOK``, ``HR``: a gathered row tile holds ``TOK`` tokens x ``HR`` rows per token (``HR``: the
+  power of two >= ``HPI`` the heads are padded to; :func:`..forward.query_tiling`).
+- ``BN``: key rows per key tile (the block size B in the sparse kernels, ``DENSE_KEY_TILE`` in
+  the dense ones); ``KS``: key rows per sub-tile of the key-outer kernels (``KEY_SUBTILE``);
+  ``NSUB = BN // KS``; ``BM``: query rows per tile of the dense KL kernels.
+- ``TOPK``: selected blocks per row; ``SUB``: token sub-chunks of the reverse index;
+  ``ITEM``: (token, index head) pairs per work item; ``UNIT``/``UPG``: the key-side work unit of
+  the KL pass B (index heads sharing one key-side tile) and units per KV group.
+- ``FULL``: which rows a kernel serves (``ALL_ROWS``, ``FULL_ROWS``: rows whose selection is
+  their whole causal prefix, ``SPARSE_ROWS``: the others); ``SPARSE``: sparse vs dense variant.
+- ``UPCAST``/``IEEE``: dot-product precision flags of :func:`dot_flags`; ``GRAD``: also write
+  gradients.
 """
 
 from __future__ import annotations

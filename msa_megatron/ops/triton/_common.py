@@ -15,8 +15,9 @@ Hi index heads, Hik index key heads):
   the dense ones); ``KS``: key rows per sub-tile of the key-outer kernels (``KEY_SUBTILE``);
   ``NSUB = BN // KS``; ``BM``: query rows per tile of the dense KL kernels.
 - ``TOPK``: selected blocks per row; ``SUB``: token sub-chunks of the reverse index;
-  ``ITEM``: (token, index head) pairs per work item; ``UNIT``/``UPG``: the key-side work unit of
-  the KL pass B (index heads sharing one key-side tile) and units per KV group.
+  ``ITEM``: (token, index head) pairs per work item; ``UNIT``: the KL pass B's work unit, the
+  index heads of one KV group that read one index key head (gcd(IPG, HPK)); ``UPG``: units per
+  KV group (IPG // UNIT).
 - ``FULL``: which rows a kernel serves (``ALL_ROWS``, ``FULL_ROWS``: rows whose selection is
   their whole causal prefix, ``SPARSE_ROWS``: the others); ``SPARSE``: sparse vs dense variant.
 - ``UPCAST``/``IEEE``: dot-product precision flags of :func:`dot_flags`; ``GRAD``: also write

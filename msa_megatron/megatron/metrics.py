@@ -66,6 +66,7 @@ class _MetricTracker:
 
 
 _TRACKER = _MetricTracker()
+_RECALL = _MetricTracker()  # selection-probe recall: one weight-1 record per probed forward
 
 
 class _CPBytesTracker:
@@ -122,6 +123,13 @@ def record_kl(layer_number: int, kl: torch.Tensor, parts: int) -> None:
     _TRACKER.record(layer_number, kl, 1.0 / parts)
 
 
+def record_recall(layer_number: int, recall: torch.Tensor) -> None:
+    """Record one probed forward's selection recall of a layer (``recall [rows, Hi]``, its mean
+    counts once; see :mod:`msa_megatron.megatron.probe`)."""
+    if recall.numel():
+        _RECALL.record(layer_number, recall.mean(), 1.0)
+
+
 def _metrics_device() -> torch.device:
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -153,10 +161,8 @@ def get_msa_metrics(reset: bool = True,
         sampled rows, index heads and ranks) and ``"msa/recall"``, their mean over layers.
         Empty when no MSA layer ran.
     """
-    from .probe import _RECALL
-
     local_max = max(max(_TRACKER.values, default=0), max(_CP_BYTES.micro_batches, default=0),
-                    max(_RECALL.sums, default=0))
+                    max(_RECALL.values, default=0))
     device = _metrics_device()
     distributed = dist.is_initialized()
     num_layers = torch.tensor([local_max], dtype=torch.int64, device=device)
@@ -164,34 +170,23 @@ def get_msa_metrics(reset: bool = True,
         dist.all_reduce(num_layers, op=dist.ReduceOp.MAX, group=group)
     count = int(num_layers.item())
     values = torch.zeros(7, count, dtype=torch.float64, device=device)
-    for layer, value in _TRACKER.values.items():
-        values[0, layer - 1] = value.to(device=device, dtype=torch.float64).reshape(())
-        values[1, layer - 1] = _TRACKER.weights[layer].to(device=device).reshape(())
+    for row, tracker in ((0, _TRACKER), (5, _RECALL)):
+        for layer, value in tracker.values.items():
+            values[row, layer - 1] = value.to(device=device, dtype=torch.float64).reshape(())
+            values[row + 1, layer - 1] = tracker.weights[layer].to(device=device).reshape(())
     host_bytes = torch.zeros(3, count, dtype=torch.float64)
     for layer, micro_batches in _CP_BYTES.micro_batches.items():
         host_bytes[0:2, layer - 1] = torch.tensor(cp_bytes_received(_CP_BYTES.stats[layer]),
                                                   dtype=torch.float64)
         host_bytes[2, layer - 1] = micro_batches
     values[2:5] = host_bytes.to(device)
-    for layer, total in _RECALL.sums.items():
-        values[5, layer - 1] = torch.as_tensor(total, dtype=torch.float64).to(device)
-        values[6, layer - 1] = _RECALL.counts[layer]
     if distributed:
         dist.all_reduce(values, group=group)
     if reset:
         _TRACKER.reset()
         _CP_BYTES.reset()
         _RECALL.reset()
-    metrics: Dict[str, float] = {}
-    per_layer = []
-    for layer in range(count):
-        weight = float(values[1, layer])
-        if weight > 0:
-            mean = float(values[0, layer]) / weight
-            metrics[f"{METRIC_PREFIX}/layer_{layer + 1:02d}"] = mean
-            per_layer.append(mean)
-    if per_layer:
-        metrics[METRIC_PREFIX] = sum(per_layer) / len(per_layer)
+    metrics = _layer_means(METRIC_PREFIX, values[0], values[1])
     total_bytes = None
     for layer in range(count):
         micro_batches = float(values[4, layer])
@@ -203,12 +198,17 @@ def get_msa_metrics(reset: bool = True,
             total_bytes = (total_bytes or 0.0) + fwd + bwd
     if total_bytes is not None:
         metrics[CP_BYTES_PREFIX] = total_bytes
-    recalls = []
-    for layer in range(count):
-        if float(values[6, layer]) > 0:
-            recall = float(values[5, layer]) / float(values[6, layer])
-            metrics[f"{RECALL_PREFIX}/layer_{layer + 1:02d}"] = recall
-            recalls.append(recall)
-    if recalls:
-        metrics[RECALL_PREFIX] = sum(recalls) / len(recalls)
+    metrics.update(_layer_means(RECALL_PREFIX, values[5], values[6]))
+    return metrics
+
+
+def _layer_means(prefix: str, sums: torch.Tensor, weights: torch.Tensor) -> Dict[str, float]:
+    """``{prefix/layer_NN: sum / weight}`` for the layers with weight > 0, and ``{prefix: mean
+    over those layers}``."""
+    metrics: Dict[str, float] = {}
+    for layer, (total, weight) in enumerate(zip(sums.tolist(), weights.tolist())):
+        if weight > 0:
+            metrics[f"{prefix}/layer_{layer + 1:02d}"] = total / weight
+    if metrics:
+        metrics[prefix] = sum(metrics.values()) / len(metrics)
     return metrics

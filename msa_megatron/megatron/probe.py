@@ -31,6 +31,7 @@ from typing import Dict, Iterable, Optional, Union
 import torch
 
 from ..diagnostics import SelectionSample, sample_rows, selection_recall
+from .metrics import record_recall
 
 
 class SelectionProbe:
@@ -76,30 +77,10 @@ class SelectionProbe:
             top_k=top_k, init_blocks=init_blocks, local_blocks=local_blocks,
             softmax_scale=softmax_scale, index_scale=index_scale, backend=backend)
         self.samples[layer_number] = sample
-        _RECALL.record(layer_number, sample.recall)
+        record_recall(layer_number, sample.recall)
         return sample
 
 
-class _RecallTracker:
-    """Per-layer sums of sampled recall and their counts, since the last metrics reset."""
-
-    def __init__(self) -> None:
-        self.sums: Dict[int, torch.Tensor] = {}
-        self.counts: Dict[int, float] = {}
-
-    def record(self, layer_number: int, recall: torch.Tensor) -> None:
-        if recall.numel() == 0:
-            return
-        value = recall.double().mean()
-        self.sums[layer_number] = self.sums.get(layer_number, 0.0) + value
-        self.counts[layer_number] = self.counts.get(layer_number, 0.0) + 1.0
-
-    def reset(self) -> None:
-        self.sums.clear()
-        self.counts.clear()
-
-
-_RECALL = _RecallTracker()
 _CP_WARNED = False
 
 

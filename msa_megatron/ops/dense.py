@@ -236,6 +236,11 @@ def _check_route(route: Route, device, dtype, D: int, group: int) -> Optional[st
 
 def _math_reference(q, k, v, dout, cu, scale):
     """fp32 dense causal attention per sequence with autograd: out, lse, dq, dk, dv."""
+    with torch.enable_grad():  # the probe runs inside autograd.Function.forward (no_grad)
+        return _math_reference_grad(q, k, v, dout, cu, scale)
+
+
+def _math_reference_grad(q, k, v, dout, cu, scale):
     qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
     G = q.shape[1] // k.shape[1]
     outs, lses = [], []

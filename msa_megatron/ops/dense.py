@@ -235,26 +235,48 @@ def _check_route(route: Route, device, dtype, D: int, group: int) -> Optional[st
 
 
 def _math_reference(q, k, v, dout, cu, scale):
-    """fp32 dense causal attention per sequence with autograd: out, lse, dq, dk, dv."""
-    with torch.enable_grad():  # the probe runs inside autograd.Function.forward (no_grad)
-        return _math_reference_grad(q, k, v, dout, cu, scale)
+    """fp32 dense causal attention per sequence and its gradients, written out (no autograd):
+    ``(out [T, Hq, D], lse [T, Hq], dq, dk [T, Hkv, D], dv)``, all fp32.
 
-
-def _math_reference_grad(q, k, v, dout, cu, scale):
-    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
-    G = q.shape[1] // k.shape[1]
-    outs, lses = [], []
+    The probe runs inside the custom op's implementation, below the Autograd dispatch key,
+    where autograd records nothing even under ``torch.enable_grad()``; so the backward is the
+    explicit softmax-attention backward. Per sequence and query head ``h`` (KV head ``h // G``):
+    ``P = softmax(S)``, ``S = scale Q K^T`` causal; ``dV = P^T dO``, ``dP = dO V^T``,
+    ``dS = P (dP - rowsum(dO * O))``, ``dQ = scale dS K``, ``dK = scale dS^T Q``; dK and dV are
+    summed over the ``G`` query heads of a group. Zero-length sequences are skipped.
+    """
+    qf, kf, vf, of = (t.detach().float() for t in (q, k, v, dout))
+    T, Hq, D = qf.shape
+    Hkv = kf.shape[1]
+    G = Hq // Hkv
+    out = qf.new_zeros(T, Hq, D)
+    lse = qf.new_zeros(T, Hq)
+    dq = qf.new_zeros(T, Hq, D)
+    dk = qf.new_zeros(T, Hkv, D)
+    dv = qf.new_zeros(T, Hkv, D)
     for a, b in zip(cu[:-1], cu[1:]):
         if b == a:
             continue
-        s = torch.einsum("qhd,khd->hqk", qf[a:b], kf[a:b].repeat_interleave(G, 1)) * scale
+        qs = qf[a:b].transpose(0, 1)  # [Hq, n, D]
+        ks = kf[a:b].repeat_interleave(G, 1).transpose(0, 1)
+        vs = vf[a:b].repeat_interleave(G, 1).transpose(0, 1)
+        do = of[a:b].transpose(0, 1)
+        s = torch.matmul(qs, ks.transpose(1, 2)) * scale
         mask = torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).tril()
         s = s.masked_fill(~mask, float("-inf"))
-        lses.append(torch.logsumexp(s, -1).t())
-        outs.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), vf[a:b].repeat_interleave(G, 1)))
-    out, lse = torch.cat(outs), torch.cat(lses)
-    grads = torch.autograd.grad(out, (qf, kf, vf), dout.float())
-    return (out.detach(), lse.detach()) + tuple(grads)
+        row_lse = torch.logsumexp(s, -1)  # [Hq, n]
+        p = torch.exp(s - row_lse[..., None])
+        o = torch.matmul(p, vs)
+        dp = torch.matmul(do, vs.transpose(1, 2))
+        ds = p * (dp - (do * o).sum(-1, keepdim=True))
+        out[a:b] = o.transpose(0, 1)
+        lse[a:b] = row_lse.t()
+        dq[a:b] = (torch.matmul(ds, ks) * scale).transpose(0, 1)
+        dk_h = torch.matmul(ds.transpose(1, 2), qs) * scale  # [Hq, n, D]
+        dv_h = torch.matmul(p.transpose(1, 2), do)
+        dk[a:b] = dk_h.view(Hkv, G, b - a, D).sum(1).transpose(0, 1)
+        dv[a:b] = dv_h.view(Hkv, G, b - a, D).sum(1).transpose(0, 1)
+    return out, lse, dq, dk, dv
 
 
 def forward_route(q: torch.Tensor, k: torch.Tensor) -> Optional[Route]:

@@ -250,3 +250,62 @@ def test_non_finite_inputs_keep_our_kernels(fake_routes, monkeypatch, seed, tens
         assert torch.equal(a.isnan(), b.isnan()), name
         assert name == "kl" or torch.isfinite(a[:23]).all(), name  # first sequence
         assert_close(a.nan_to_num(), b.nan_to_num(), 1e-5, name)
+
+
+def _autograd_reference(q, k, v, dout, cu, scale):
+    """The same math as ``dense._math_reference``, by autograd (plain eager context)."""
+    qf, kf, vf = (t.detach().double().requires_grad_() for t in (q, k, v))
+    G = q.shape[1] // k.shape[1]
+    outs, lses = [], []
+    for a, b in zip(cu[:-1], cu[1:]):
+        if b == a:
+            continue
+        s = torch.einsum("qhd,khd->hqk", qf[a:b], kf[a:b].repeat_interleave(G, 1)) * scale
+        s = s.masked_fill(~torch.ones(b - a, b - a, dtype=torch.bool).tril(), float("-inf"))
+        lses.append(torch.logsumexp(s, -1).t())
+        outs.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), vf[a:b].repeat_interleave(G, 1)))
+    out, lse = torch.cat(outs), torch.cat(lses)
+    return (out, lse) + torch.autograd.grad(out, (qf, kf, vf), dout.double())
+
+
+@pytest.mark.parametrize("context", ["below_autograd", "no_grad", "plain"])
+def test_probe_reference_needs_no_autograd(context):
+    """The probe's fp32 reference runs inside the custom op, below the Autograd dispatch key,
+    where autograd records nothing (not even under enable_grad): its gradients must be written
+    out. GQA (G = 3), a zero-length and a length-1 sequence."""
+    gen = torch.Generator().manual_seed(5)
+    lengths = [9, 0, 1, 14]
+    T, D = sum(lengths), 8
+    q, dout = torch.randn(T, 6, D, generator=gen), torch.randn(T, 6, D, generator=gen)
+    k, v = torch.randn(T, 2, D, generator=gen), torch.randn(T, 2, D, generator=gen)
+    cu = [0, 9, 9, 10, 24]
+    guard = {"below_autograd": torch._C._AutoDispatchBelowAutograd, "no_grad": torch.no_grad,
+             "plain": torch.enable_grad}[context]
+    with guard():
+        got = dense._math_reference(q, k, v, dout, cu, D ** -0.5)
+    want = _autograd_reference(q, k, v, dout, cu, D ** -0.5)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        assert a.dtype == torch.float32, name
+        assert_close(a.double(), b, 1e-5, name)
+
+
+def test_probe_inside_the_custom_op_accepts_the_routes(fake_routes, monkeypatch, seed):
+    """The first dense call probes the routes from inside the custom op (below autograd);
+    correct routes must pass there: cuDNN forward, FlashAttention deterministic backward, no
+    refusal warning, results equal to our kernels'."""
+    monkeypatch.setenv(dense.BACKEND_ENV, "kernels")
+    x = _inputs(seed)
+    ours = _run(x)
+    monkeypatch.delenv(dense.BACKEND_ENV)
+    rec = fake_routes()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*dense route", category=RuntimeWarning)
+        routed = _run(x)
+    probe_cudnn, probe_flash = [("cudnn", "fwd"), ("cudnn", "bwd", False)], [
+        ("flash", "fwd"), ("flash", "bwd", True)]
+    assert rec.calls == probe_cudnn + [("cudnn", "fwd")] + probe_flash + [("flash", "bwd", True)]
+    assert dense.route_report(x["q"], x["k"])["refused"] == {}
+    for name, a, b in zip(("out", "kl") + NAMES, routed, ours):
+        assert_close(a, b, 1e-5, name)

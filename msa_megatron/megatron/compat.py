@@ -18,16 +18,27 @@ What differs and how it is handled:
 - The Transformer Engine / local layer sets are taken from megatron-core's own GPT layer specs,
   called with keyword arguments only (their positional order changed in 0.19).
 
-Not a difference but a CPU limit of both versions: megatron-core's TP > num_query_groups path
+Not a difference but a defect of both versions: ``RowParallelLinear.forward`` hands
+``tp_group=None`` to ``linear_with_grad_accumulation_and_async_allreduce``, which then calls
+``warnings.warn`` (a DeprecationWarning on rank 0, every forward) before looking the default TP
+group up; dynamo cannot trace ``warnings.warn``, so ``torch.compile(fullgraph=True)`` of a GPT
+built from the local spec breaks at the attention's ``linear_proj`` and the MLP's
+``linear_fc2``. The MSA layer spec uses :class:`RowParallelLinearWithGroup` there
+(:func:`with_tp_group_linears`), which passes the layer's own group: no warning, no graph break.
+
+Also a CPU limit of both versions: megatron-core's TP > num_query_groups path
 gathers with a CUDA-only helper, so the MSA layer gathers with
 :func:`msa_megatron.parallel.comm.gather_last_dim`.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+import dataclasses
+import functools
+from typing import Any, Callable, Optional
 
 import megatron.core
+from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 try:  # the same import guard megatron-core uses
@@ -107,3 +118,48 @@ def te_unfused_input_modules():
     from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TENorm
 
     return TENorm, TEColumnParallelLinear
+
+
+class RowParallelLinearWithGroup(RowParallelLinear):
+    """megatron-core's ``RowParallelLinear`` that hands its own TP group to the linear function.
+
+    ``RowParallelLinear.forward`` (0.16 and 0.19) calls ``_forward_impl(..., tp_group=None)``;
+    the linear function then warns and looks up the default TP group, and the warning is a
+    graph break under ``torch.compile(fullgraph=True)``. The function uses the group only for
+    sequence-parallel gathers and the dgrad all-reduce, both off in a row-parallel linear, so
+    passing ``self.tp_group`` (set at construction) changes no result. Everything else, the
+    state dict and checkpoint layout included, is ``RowParallelLinear``'s.
+    """
+
+    def _forward_impl(self, *args: Any, **kwargs: Any):
+        if "tp_group" in kwargs and kwargs["tp_group"] is None:
+            kwargs["tp_group"] = self.tp_group
+        return super()._forward_impl(*args, **kwargs)
+
+
+def with_tp_group_linears(spec: Any) -> Any:
+    """``spec`` (a ``ModuleSpec``, submodules dataclass or ``functools.partial`` of a module
+    builder, walked recursively) with every
+    ``RowParallelLinear`` class replaced by :class:`RowParallelLinearWithGroup`; other values
+    (Transformer Engine layers, params, None) unchanged. Returns a new object when anything
+    changed, else ``spec`` itself."""
+    if spec is RowParallelLinear:
+        return RowParallelLinearWithGroup
+    if isinstance(spec, functools.partial):  # 0.19: mlp=partial(MLP.as_mlp_submodule, ...)
+        args = tuple(with_tp_group_linears(a) for a in spec.args)
+        keywords = {k: with_tp_group_linears(v) for k, v in spec.keywords.items()}
+        if all(a is b for a, b in zip(args, spec.args)) and all(
+                keywords[k] is v for k, v in spec.keywords.items()):
+            return spec
+        return functools.partial(spec.func, *args, **keywords)
+    if not dataclasses.is_dataclass(spec) or isinstance(spec, type):
+        return spec
+    changes = {}
+    for field in dataclasses.fields(spec):
+        if not field.init:
+            continue
+        value = getattr(spec, field.name)
+        new = with_tp_group_linears(value)
+        if new is not value:
+            changes[field.name] = new
+    return dataclasses.replace(spec, **changes) if changes else spec

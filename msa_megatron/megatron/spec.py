@@ -98,7 +98,10 @@ def get_gpt_layer_msa_spec(
     submodules = dataclasses.replace(layer, input_layernorm=input_layernorm,
                                      self_attention=self_attention,
                                      sharded_state_dict_keys_map=key_map)
-    return ModuleSpec(module=base.module, params=dict(base.params or {}), submodules=submodules)
+    # megatron-core's row-parallel linears warn inside forward (a torch.compile graph break):
+    # the spec's get their own TP group handed to the linear function (compat module).
+    return compat.with_tp_group_linears(
+        ModuleSpec(module=base.module, params=dict(base.params or {}), submodules=submodules))
 
 
 def msa_config_from_env() -> MSAConfig:

@@ -2,7 +2,8 @@
 
 A tiny GPTModel built from ``get_gpt_layer_msa_spec`` (sbhd: megatron-core's THD rope reads
 ``cu_seqlens`` on the host and does not compile fullgraph) gives the eager loss, gradients and
-KL metrics when compiled, and is not recompiled from one step to the next (the KL metrics kept
+KL metrics when compiled (with no shim around megatron-core: the MSA spec's row-parallel linears
+pass their TP group, so megatron-core's ``warnings.warn`` never runs), and is not recompiled from one step to the next (the KL metrics kept
 in the traced code must not become guards that change every step). The GPU run of the same
 (triton backend, inductor, eager vs compiled time) is benchmarks/bench_compile.py.
 """
@@ -18,26 +19,11 @@ from tests.support.gpt_harness import Setup, batch, build_model
 pytestmark = pytest.mark.slow
 
 
-def _quiet_megatron_tp_group_warning() -> None:
-    """megatron-core 0.16's linear layers call ``warnings.warn`` inside forward when built
-    without a TP group (dynamo cannot trace it); same group, no warning."""
-    import megatron.core.tensor_parallel.layers as layers
-    from megatron.core import parallel_state
-
-    def group_if_none(tp_group=None, *args, **kwargs):
-        return tp_group if tp_group is not None else \
-            parallel_state.get_tensor_model_parallel_group()
-
-    if hasattr(layers, "get_tensor_model_parallel_group_if_none"):
-        layers.get_tensor_model_parallel_group_if_none = group_if_none
-
-
 def _compile_worker(rank: int, world_size: int, mode: str) -> dict:
     import torch._dynamo
 
     from msa_megatron.megatron import get_msa_metrics
 
-    _quiet_megatron_tp_group_warning()
     torch._dynamo.reset()
     model = build_model(Setup(layers=2, mode=mode), 1)
     tokens, positions, _ = batch(0, "sbhd")
@@ -82,3 +68,35 @@ def test_gpt_with_msa_compiles_fullgraph_and_matches_eager(mode):
             assert c_metrics[key] == pytest.approx(value, rel=1e-5), key
     for key, value in metrics.items():  # two identical micro-batches: the same mean KL
         assert out["accumulated"][key] == pytest.approx(value, rel=1e-5), key
+
+
+def _warnings_worker(rank: int, world_size: int) -> dict:
+    import warnings
+
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    model = build_model(Setup(layers=1), 1)
+    tokens, positions, _ = batch(0, "sbhd")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(tokens, positions, None, labels=tokens).mean().backward()
+    linears = {name: (type(m).__name__, getattr(m, "tp_group", None) is not None)
+               for name, m in model.named_modules() if hasattr(m, "tp_group")
+               and isinstance(m, torch.nn.Module) and "linear" in name}
+    return {"messages": [f"{w.category.__name__}: {w.message}" for w in caught],
+            "linears": linears,
+            "row_parallel": sorted(name for name, m in model.named_modules()
+                                   if isinstance(m, RowParallelLinear))}
+
+
+def test_msa_gpt_forward_raises_no_tp_group_warning():
+    """megatron-core's RowParallelLinear (0.16 and 0.19) hands ``tp_group=None`` to its linear
+    function, which warns on rank 0 in every forward: a graph break under
+    ``torch.compile(fullgraph=True)``. The MSA spec's linears must pass their group (no such
+    warning in forward or backward) and every linear must hold a TP group."""
+    out = run_distributed(_warnings_worker, 1, tp=1)[0]
+    tp_warnings = [m for m in out["messages"] if "tp_group" in m]
+    assert tp_warnings == []
+    assert out["row_parallel"] == ["decoder.layers.0.mlp.linear_fc2",
+                                   "decoder.layers.0.self_attention.linear_proj"]
+    assert out["linears"] and all(has for _, has in out["linears"].values()), out["linears"]

@@ -8,8 +8,9 @@ CPU dry run of the script itself (interpreter, tiny shapes, no baselines)::
 
     TRITON_INTERPRET=1 python benchmarks/bench_compile.py /tmp/c.json --dry-run
 
-Sections (each records into the JSON as it finishes; a failing section is recorded and the
-run goes on):
+Sections (``--sections``, run in the order given; each records into the JSON as it finishes;
+a failing section is recorded and the run goes on; ``--budget`` seconds for all, every step
+skips what no longer fits; ``--sizes`` / ``--dists`` for the dense rows):
 
 1. ``compile_op``: the public ``msa_attention(..., backend="triton")`` compiled by inductor
    with ``fullgraph=True``, **first called inside the compiled function** (the lazy-import
@@ -17,13 +18,16 @@ run goes on):
    out, KL and the five gradients against eager. Then eager vs compiled fwd+bwd at 32K.
 2. ``compile_layer``: a megatron-core GPTModel built from ``get_gpt_layer_msa_spec`` (local
    spec, sbhd), the whole forward + loss compiled by inductor with ``fullgraph=True``: loss and
-   every parameter gradient against eager (fp32), then eager vs compiled step time (bf16).
+   every parameter gradient against eager, in fp32 and in bf16 (each recorded on its own; a
+   graph break is recorded with the last 6000 characters of its trace: the user-code stack of
+   the break), then eager vs compiled step time (bf16).
 3. ``dense_checks``: route chosen for the paper config (``msa_megatron.ops.dense``); dense mode
    at T=4096 (packed, paper heads, bf16) routed vs our kernels vs the fp32 oracle (out, KL, five
    gradients); one-pass KL vs the two-pass kernels; bitwise-equal gradients over two runs.
 4. ``dense_rows``: paper config at 32K and 128K, iid and coherent index inputs: dense mode
    whole op fwd+bwd (deterministic default and ``MSA_DENSE_DETERMINISTIC=0``), its forward,
-   the KL alone, against dense cuDNN / FLASH SDPA fwd and fwd+bwd (and FLASH deterministic).
+   the KL alone, against dense cuDNN / FLASH SDPA fwd and fwd+bwd (and FLASH deterministic),
+   then the route the rows ran on per size (``name="route"``).
    A KL tile sweep at 32K picks ``MSA_DENSE_KL_TILES`` first.
 
 Prints a table last; JSON holds every number, GPU name, versions and the git commit.
@@ -118,6 +122,16 @@ def rel(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+TRACE_CHARS = 6000  # dynamo's "from user code" stack (the graph-break location) ends the trace
+
+
+def failure(err: Exception, prefix: str = "") -> dict:
+    """A failed check as JSON: the error's head and the last TRACE_CHARS characters of the
+    traceback (for a dynamo graph break, its message with the user-code stack of the break)."""
+    return {f"{prefix}error": f"{type(err).__name__}: {err}"[:2000],
+            f"{prefix}trace": traceback.format_exc()[-TRACE_CHARS:]}
+
+
 def index_input(t, heads, dim, dist, device, dtype, gen):
     if dist == "iid":
         return torch.randn(t, heads, dim, generator=gen, device=device).to(dtype)
@@ -193,8 +207,7 @@ def compile_op_check(run: Run, cfg, device, dtype, t_check):
             entry["bitwise"] = all(torch.equal(a, b) for a, b in zip(got, want))
             entry["ok"] = max(entry["rel_err"].values()) < 1e-6
         except Exception as err:  # noqa: BLE001
-            entry.update(ok=False, error=f"{type(err).__name__}: {err}"[:2000],
-                         trace=traceback.format_exc()[-3000:])
+            entry.update(ok=False, **failure(err))
         result[mode] = entry
     run.section("compile_op_check", result)
 
@@ -217,7 +230,7 @@ def compile_op_timing(run: Run, cfg, device, dtype, t_time):
             timing[mode]["compiled_over_eager"] = (timing[mode]["compiled"]["median"]
                                                    / timing[mode]["eager"]["median"])
         except Exception as err:  # noqa: BLE001
-            timing[mode] = f"{type(err).__name__}: {err}"[:2000]
+            timing[mode] = failure(err)
     run.section("compile_op_timing", timing)
 
 
@@ -263,22 +276,35 @@ def _gpt(device, dtype, mode, small):
     return model.to(device)
 
 
-def _quiet_megatron_warnings():
-    """megatron-core (0.16) calls ``warnings.warn`` inside forward when a linear layer has no
-    tp_group; dynamo cannot trace that call. Same group, no warning."""
-    from megatron.core import parallel_state
-    import megatron.core.tensor_parallel.layers as layers
+class quiet_megatron_warnings:
+    """Diagnostic only: megatron-core's ``get_tensor_model_parallel_group_if_none`` in
+    ``tensor_parallel.layers`` without its ``warnings.warn`` (same group), restored on exit.
+    The MSA spec no longer needs it (its row-parallel linears pass their TP group,
+    ``msa_megatron.megatron.compat.RowParallelLinearWithGroup``); the layer check uses it only
+    after a plain attempt failed with a graph break, to see whether anything else breaks."""
 
-    def group_if_none(tp_group=None, *args, **kwargs):
-        return tp_group if tp_group is not None else \
-            parallel_state.get_tensor_model_parallel_group()
+    def __enter__(self):
+        import megatron.core.tensor_parallel.layers as layers
+        from megatron.core import parallel_state
 
-    if hasattr(layers, "get_tensor_model_parallel_group_if_none"):
-        layers.get_tensor_model_parallel_group_if_none = group_if_none
+        self.layers = layers
+        self.saved = getattr(layers, "get_tensor_model_parallel_group_if_none", None)
+
+        def group_if_none(tp_group=None, *args, **kwargs):
+            return tp_group if tp_group is not None else \
+                parallel_state.get_tensor_model_parallel_group()
+
+        if self.saved is not None:
+            layers.get_tensor_model_parallel_group_if_none = group_if_none
+        return self
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            self.layers.get_tensor_model_parallel_group_if_none = self.saved
 
 
 def compile_layer(run: Run, device, small, seq_check, seq_time):
-    """Check (fp32) at ``seq_check`` (None: skip), then time (bf16) at ``seq_time``."""
+    """Check (fp32 and bf16) at ``seq_check`` (None: skip), then time (bf16) at ``seq_time``."""
     _init_megatron(device)
     if seq_check is not None:
         compile_layer_check(run, device, small, seq_check)
@@ -286,54 +312,80 @@ def compile_layer(run: Run, device, small, seq_check, seq_time):
         compile_layer_timing(run, device, small, seq_time)
 
 
+# compiled vs eager: (loss, worst parameter gradient) relative error bounds per dtype
+LAYER_TOL = {torch.float32: (1e-4, 1e-3), torch.bfloat16: (2e-2, 1e-1)}
+
+
+def _is_graph_break(err: Exception) -> bool:
+    return type(err).__name__ in ("Unsupported", "UserError") or "graph break" in str(err)
+
+
 def compile_layer_check(run: Run, device, small, seq_check):
+    """fp32 and bf16, sparse and dense, each recorded on its own (one failure hides nothing):
+    the whole GPT forward + loss compiled with ``fullgraph=True`` against eager. A graph break
+    is recorded with its location (:func:`failure`); the check then retries under
+    :class:`quiet_megatron_warnings` to see what comes next (``attempt`` says which passed)."""
     import torch._dynamo
 
     result = {}
-    for mode in ("sparse", "dense"):
-        entry = {}
-        if run.left() < 45:
-            result[mode] = dict(ok=False, skipped="budget")
-            continue
-        for attempt in ("plain", "quiet_megatron_warnings"):
-            torch._dynamo.reset()
-            try:
-                model = _gpt(device, torch.float32, mode, small)
-                gen = torch.Generator(device="cpu").manual_seed(3)
-                tokens = torch.randint(0, 512, (1, seq_check), generator=gen).to(device)
-                positions = torch.arange(seq_check, device=device)[None]
+    for dtype in (torch.float32, torch.bfloat16):
+        for mode in ("sparse", "dense"):
+            key = f"{mode}_{str(dtype).replace('torch.', '')}"
+            entry = dict(dtype=str(dtype), mode=mode)
+            result[key] = entry
+            if run.left() < 45:
+                entry.update(ok=False, skipped="budget")
+                continue
+            for attempt in ("plain", "quiet_megatron_warnings"):
+                torch._dynamo.reset()
+                shim = quiet_megatron_warnings() if attempt != "plain" else None
+                try:
+                    if shim is not None:
+                        shim.__enter__()
+                    entry.update(_layer_check_once(device, dtype, mode, small, seq_check),
+                                 attempt=attempt)
+                    break
+                except Exception as err:  # noqa: BLE001
+                    entry.update(ok=False, **failure(err, f"{attempt}_"))
+                    if attempt != "plain" or not _is_graph_break(err) or run.left() < 45:
+                        break
+                finally:
+                    if shim is not None:
+                        shim.__exit__(None, None, None)
+            run.section("compile_layer_check", result)  # saved after every entry
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
-                def step(tokens, positions):
-                    return model(tokens, positions, None, labels=tokens).float().mean()
 
-                def grads(fn):
-                    model.zero_grad(set_to_none=True)
-                    loss = fn(tokens, positions)
-                    loss.backward()
-                    return loss.detach(), {n: p.grad.detach().clone()
-                                           for n, p in model.named_parameters()
-                                           if p.grad is not None}
+def _layer_check_once(device, dtype, mode, small, seq_check) -> dict:
+    model = _gpt(device, dtype, mode, small)
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    tokens = torch.randint(0, 512, (1, seq_check), generator=gen).to(device)
+    positions = torch.arange(seq_check, device=device)[None]
 
-                compiled = torch.compile(step, fullgraph=True)
-                t0 = time.time()
-                c_loss, c_grads = grads(compiled)
-                entry["compile_s"] = round(time.time() - t0, 2)
-                e_loss, e_grads = grads(step)
-                errs = {n: rel(c_grads[n], e_grads[n]) for n in e_grads}
-                worst = max(errs, key=errs.get)
-                entry.update(attempt=attempt, loss_rel_err=rel(c_loss, e_loss),
-                             grads=len(errs), missing=sorted(set(e_grads) - set(c_grads)),
-                             worst_grad=worst, worst_grad_rel_err=errs[worst],
-                             index_grads={n: errs[n] for n in errs if "index" in n or "idx" in n},
-                             ok=rel(c_loss, e_loss) < 1e-4 and errs[worst] < 1e-3)
-                break
-            except Exception as err:  # noqa: BLE001
-                entry[f"error_{attempt}"] = f"{type(err).__name__}: {err}"[:2000]
-                entry[f"trace_{attempt}"] = traceback.format_exc()[-3000:]
-                entry["ok"] = False
-                _quiet_megatron_warnings()
-        result[mode] = entry
-    run.section("compile_layer_check", result)
+    def step(tokens, positions):
+        return model(tokens, positions, None, labels=tokens).float().mean()
+
+    def grads(fn):
+        model.zero_grad(set_to_none=True)
+        loss = fn(tokens, positions)
+        loss.backward()
+        return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                               if p.grad is not None}
+
+    compiled = torch.compile(step, fullgraph=True)
+    t0 = time.time()
+    c_loss, c_grads = grads(compiled)
+    compile_s = round(time.time() - t0, 2)
+    e_loss, e_grads = grads(step)
+    errs = {n: rel(c_grads[n], e_grads[n]) for n in e_grads if n in c_grads}
+    worst = max(errs, key=errs.get)
+    loss_tol, grad_tol = LAYER_TOL[dtype]
+    missing = sorted(set(e_grads) - set(c_grads))
+    return dict(compile_s=compile_s, loss_rel_err=rel(c_loss, e_loss), grads=len(errs),
+                missing=missing, worst_grad=worst, worst_grad_rel_err=errs[worst],
+                index_grads={n: errs[n] for n in errs if "index" in n or "idx" in n},
+                ok=(rel(c_loss, e_loss) < loss_tol and errs[worst] < grad_tol and not missing))
 
 
 def compile_layer_timing(run: Run, device, small, seq_time):
@@ -366,7 +418,7 @@ def compile_layer_timing(run: Run, device, small, seq_time):
             timing[mode]["compiled_over_eager"] = (timing[mode]["compiled"]["median"]
                                                    / timing[mode]["eager"]["median"])
         except Exception as err:  # noqa: BLE001
-            timing[mode] = f"{type(err).__name__}: {err}"[:2000]
+            timing[mode] = failure(err)
     run.section("compile_layer_timing", timing)
 
 
@@ -578,6 +630,9 @@ def dense_rows(run: Run, cfg, device, dtype, sizes, dists, baselines):
                                  error=f"{type(err).__name__}: {err}"[:1000]))
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
+            if dist == dists[0]:  # what the rows above ran on (a route refused at this size
+                # by a real call shows under "refused")
+                run.row(dict(name="route", T=t, dist=dist, **dense.route_report(x["q"], x["k"])))
 
 
 def table(data: dict) -> str:
@@ -599,6 +654,11 @@ def table(data: dict) -> str:
         lines.append(f"{name}: " + ", ".join(
             f"{m}: eager {v['eager']['median']:.1f} ms, compiled {v['compiled']['median']:.1f} ms"
             if isinstance(v, dict) else f"{m}: {v}" for m, v in sec.items()))
+    for r in data["rows"]:
+        if r.get("name") == "route":
+            lines.append(f"route at T={r['T']}: forward {r.get('forward')}, backward "
+                         f"{r.get('backward')} (deterministic {r.get('deterministic')}), "
+                         f"refused {r.get('refused')}")
     checks = data["sections"].get("dense_checks", {})
     if checks:
         lines.append(f"dense_checks ok={checks.get('ok')} route={checks.get('route')}")
@@ -612,6 +672,8 @@ def main() -> int:
     parser.add_argument("--sections",
                         default="op,dense_checks,dense_rows,op_timing,layer,layer_timing")
     parser.add_argument("--sizes", default="32768,131072")
+    parser.add_argument("--dists", default="iid,coherent",
+                        help="index input distributions of the dense rows")
     parser.add_argument("--dry-run", action="store_true", help="CPU: tiny shapes, no baselines")
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.dry_run
@@ -634,29 +696,32 @@ def main() -> int:
     run = Run(args.out, args.budget, meta)
     sections = args.sections.split(",")
     sizes = [int(v) for v in args.sizes.split(",")] if cuda else [64]
-    # Most important first: the compile checks, the dense checks and rows (the targets), then
-    # the Megatron layer, then eager-vs-compiled timings; every step watches the budget.
+    # Run in the order of --sections (default: the compile checks, the dense checks and rows
+    # (the targets), then the Megatron layer, then eager-vs-compiled timings); every step
+    # watches the budget.
     steps = [
         ("op", lambda: compile_op(run, cfg, device, dtype, 4096 if cuda else 64, None)),
         ("dense_checks", lambda: dense_checks(run, cfg, device, dtype, 4096 if cuda else 64)),
         ("dense_rows", lambda: (kl_tile_sweep(run, cfg, device, dtype, 32768) if cuda else None,
-                                dense_rows(run, cfg, device, dtype, sizes, ("iid", "coherent"),
-                                           cuda))),
+                                dense_rows(run, cfg, device, dtype, sizes,
+                                           args.dists.split(","), cuda))),
         ("op_timing", lambda: compile_op(run, cfg, device, dtype, None,
                                          32768 if cuda else None)),
         ("layer", lambda: compile_layer(run, device, not cuda, 1024 if cuda else 48, None)),
         ("layer_timing", lambda: compile_layer(run, device, not cuda, None,
                                                8192 if cuda else None)),
     ]
-    for name, step in steps:
-        if name not in sections:
-            continue
+    unknown = sorted(set(sections) - {name for name, _ in steps})
+    if unknown:
+        parser.error(f"unknown --sections {unknown}; choose from {[n for n, _ in steps]}")
+    by_name = dict(steps)
+    for name in sections:  # in the order given
+        step = by_name[name]
         t0 = time.time()
         try:
             step()
         except Exception as err:  # noqa: BLE001
-            run.section(f"{name}_error", dict(error=f"{type(err).__name__}: {err}"[:2000],
-                                              trace=traceback.format_exc()[-4000:]))
+            run.section(f"{name}_error", failure(err))
         print(f"-- {name} took {time.time() - t0:.1f} s, {run.left():.0f} s left", flush=True)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -611,6 +611,7 @@ def dense_rows(run: Run, cfg, device, dtype, sizes, dists, baselines):
                 if baselines:
                     rows += [("cudnn_fwd_bwd", sdpa_fn(x, "CUDNN_ATTENTION", True), {}),
                              ("cudnn_fwd", sdpa_fn(x, "CUDNN_ATTENTION", False), {}),
+                             ("flash_fwd", sdpa_fn(x, "FLASH_ATTENTION", False), {}),
                              ("flash_fwd_bwd_deterministic",
                               sdpa_fn(x, "FLASH_ATTENTION", True, True), {})]
                     if not big:

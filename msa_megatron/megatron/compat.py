@@ -25,6 +25,9 @@ group up; dynamo cannot trace ``warnings.warn``, so ``torch.compile(fullgraph=Tr
 built from the local spec breaks at the attention's ``linear_proj`` and the MLP's
 ``linear_fc2``. The MSA layer spec uses :class:`RowParallelLinearWithGroup` there
 (:func:`with_tp_group_linears`), which passes the layer's own group: no warning, no graph break.
+Checked on CPU with both versions: after this, a forward at TP 1 raises no warning; at TP > 1
+megatron-core's column-parallel linear warns once per process unless
+``CUDA_DEVICE_MAX_CONNECTIONS=1`` (Megatron-LM's launchers set it; set it before compiling).
 
 Also a CPU limit of both versions: megatron-core's TP > num_query_groups path
 gathers with a CUDA-only helper, so the MSA layer gathers with

@@ -663,9 +663,16 @@ def table(data: dict) -> str:
         ratio = r["median"] / base[r["T"]] if r["T"] in base else float("nan")
         lines.append(f"| {r['T']} | {r['dist']} | {r['name']} | {r['median']:.1f} | "
                      f"{ratio:.2f}x |")
+    def verdict(v: dict) -> str:
+        if v.get("skipped"):
+            return f"skipped ({v['skipped']})"
+        if not v.get("ok"):
+            return "FAIL"
+        return "ok" if v.get("attempt", "plain") == "plain" else f"ok only with {v['attempt']}"
+
     for name in ("compile_op_check", "compile_layer_check"):
         sec = data["sections"].get(name, {})
-        lines.append(f"{name}: " + ", ".join(f"{m}={'ok' if v.get('ok') else 'FAIL'}"
+        lines.append(f"{name}: " + ", ".join(f"{m}={verdict(v)}"
                                               for m, v in sec.items() if isinstance(v, dict)))
     for name in ("compile_op_timing", "compile_layer_timing"):
         sec = data["sections"].get(name, {})

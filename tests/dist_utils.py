@@ -10,7 +10,8 @@ Usage::
 
     results = run_distributed(_worker, 2, args=(4,), tp=2)   # list indexed by rank
 
-Each rank is a fresh process (forked on CPU, spawned on CUDA) that joins a process group on a
+Each rank is a fresh process (forked on CPU; on CUDA forked from a fork server that imported
+torch, megatron-core and msa_megatron once, without touching CUDA) that joins a process group on a
 free local port, optionally initialises megatron-core's model-parallel groups
 (``parallel_state.initialize_model_parallel(tp, pp, context_parallel_size=cp)``), runs the
 function and sends back its return value (moved to CPU). A failing rank raises
@@ -20,7 +21,9 @@ Import heavy modules (megatron-core) at the top of the test module: forked ranks
 while importing megatron-core in each rank costs seconds.
 
 Device switch: ``MSA_TEST_DEVICE=cuda`` (or ``run_distributed(..., device="cuda")``) runs NCCL
-with one GPU per rank; the default is CPU with gloo. On CPU, megatron-core's CUDA RNG tracker is
+with one GPU per rank; the default is CPU with gloo. ``MSA_TEST_START=fork|forkserver|spawn``
+overrides how the ranks start (default: fork on CPU, forkserver on CUDA; a fork server whose
+children cannot initialise CUDA is replaced by spawn for the rest of the session). On CPU, megatron-core's CUDA RNG tracker is
 replaced by a CPU stand-in (:func:`install_megatron_cpu_shims`): test-only, never product code.
 """
 
@@ -41,6 +44,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 DEVICE_ENV = "MSA_TEST_DEVICE"
+START_ENV = "MSA_TEST_START"
+START_METHODS = ("fork", "forkserver", "spawn")
+# Imported once by the fork server (CUDA runs): what every rank would otherwise import anew.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "triton", "megatron.core",
+                      "megatron.core.models.gpt", "msa_megatron", "msa_megatron.megatron",
+                      "tests.dist_utils", "tests.support.gpt_harness"]
+# What a rank forked from a process that had initialised CUDA reports.
+_CUDA_FORK_ERRORS = ("Cannot re-initialize CUDA in forked subprocess", "initialization error")
+_forkserver_failed = False
 DEFAULT_TIMEOUT_S = 180
 FAILURE_GRACE_S = 5.0
 POLL_S = 0.05
@@ -144,12 +156,49 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
+def start_method(device: str) -> str:
+    """How :func:`run_distributed` starts ranks on ``device``: ``$MSA_TEST_START`` when set, else
+    ``"fork"`` on CPU (ranks inherit the imported modules) and ``"forkserver"`` on CUDA (CUDA
+    cannot be used in a child forked after the parent initialised it; the fork server never
+    does, and its preloaded imports save every rank seconds), ``"spawn"`` once a fork server
+    failed to start CUDA ranks in this session.
+
+    Raises:
+        ValueError: ``$MSA_TEST_START`` is not one of fork, forkserver, spawn, or is fork with
+            ``device="cuda"``.
+    """
+    method = os.environ.get(START_ENV, "").strip().lower()
+    if method and method not in START_METHODS:
+        raise ValueError(f"{START_ENV} must be one of {START_METHODS}, got {method!r}")
+    if device == "cuda" and method == "fork":
+        raise ValueError(f"{START_ENV}=fork cannot run CUDA ranks (CUDA is not fork-safe)")
+    if not method:
+        method = "fork" if device == "cpu" else "forkserver"
+    if method == "forkserver" and _forkserver_failed:
+        method = "spawn"
+    return method
+
+
+def _context(method: str):
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        # NVML instead of the CUDA driver for torch.cuda.is_available / device_count, so that
+        # no import in the fork server initialises CUDA (its children could not use it then).
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return ctx
+
+
 def _rank_main(
     rank: int, world_size: int, port: int, fn: Callable, args: Sequence, kwargs: dict,
     parallel: Optional[dict], device: str, result_dir: str, timeout_s: int,
+    environ: Optional[dict] = None,
 ) -> None:
     result_path = os.path.join(result_dir, f"rank{rank}.pt")
     try:
+        if environ is not None:  # a fork server's children start with its (older) environment
+            os.environ.clear()
+            os.environ.update(environ)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
         os.environ[DEVICE_ENV] = device
@@ -225,7 +274,8 @@ def run_distributed(
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks; return the results.
 
     Args:
-        fn: a module-level function (picklable: CUDA runs spawn the ranks). Its return value
+        fn: a module-level function (picklable: CUDA ranks start from a fork server or by
+            spawn, :func:`start_method`). Its return value
             is moved to CPU and must be writable by ``torch.save``.
         world_size: number of ranks (processes).
         args, kwargs: extra arguments for ``fn`` (picklable).
@@ -240,21 +290,37 @@ def run_distributed(
 
     Raises:
         DistributedTestError: a rank raised (message: its traceback) or died without a result.
+        ValueError: a bad ``$MSA_TEST_START`` (:func:`start_method`).
         pytest's Skipped: a CUDA run with fewer GPUs than ranks.
     """
+    global _forkserver_failed
     device = device or selected_device()
     if device == "cuda":
         skip_unless_ranks(world_size)
     parallel = None if tp is None else {"tp": tp, "pp": pp, "cp": cp}
-    # fork on CPU: the ranks inherit the imported modules (megatron-core takes seconds to
-    # import); CUDA cannot be re-initialised in a forked child, so NCCL runs use spawn.
-    ctx = mp.get_context("spawn" if device == "cuda" else "fork")
+    method = start_method(device)
+    try:
+        return _run_ranks(fn, world_size, args, kwargs, parallel, device, timeout_s, method)
+    except DistributedTestError as error:
+        if method != "forkserver" or device != "cuda" \
+                or not any(text in str(error) for text in _CUDA_FORK_ERRORS):
+            raise
+    # The fork server had initialised CUDA (an import did): spawn from now on.
+    _forkserver_failed = True
+    return _run_ranks(fn, world_size, args, kwargs, parallel, device, timeout_s, "spawn")
+
+
+def _run_ranks(fn: Callable, world_size: int, args: Sequence, kwargs: Optional[dict],
+               parallel: Optional[dict], device: str, timeout_s: int, method: str) -> List[Any]:
+    """Start ``world_size`` ranks with ``method``, wait for them, return their results."""
+    ctx = _context(method)
+    environ = None if method == "fork" else dict(os.environ)
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="msa_dist_") as result_dir:
         procs = [
             ctx.Process(target=_rank_main, args=(rank, world_size, port, fn, tuple(args),
                                                  dict(kwargs or {}), parallel, device,
-                                                 result_dir, timeout_s))
+                                                 result_dir, timeout_s, environ))
             for rank in range(world_size)
         ]
         for p in procs:

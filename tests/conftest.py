@@ -18,6 +18,15 @@ import pytest
 from tests.support.inputs import seed_from
 
 
+def pytest_sessionstart(session) -> None:
+    """CUDA runs: start the multi-rank tests' fork server at once (tests/dist_utils.py), so that
+    its imports overlap collection."""
+    if os.environ.get("MSA_TEST_DEVICE") == "cuda":
+        from tests.dist_utils import start_fork_server
+
+        start_fork_server()
+
+
 @pytest.fixture
 def seed(request) -> int:
     """Per-test seed derived from the test id: fresh inputs per parametrisation, reproducible."""

@@ -189,6 +189,17 @@ def _context(method: str):
     return ctx
 
 
+def start_fork_server() -> None:
+    """Start the fork server of CUDA runs now, in the background (its preload imports then
+    overlap pytest's collection); does nothing unless CUDA ranks would start from it."""
+    if start_method("cuda") != "forkserver":
+        return
+    from multiprocessing import forkserver
+
+    _context("forkserver")
+    forkserver.ensure_running()
+
+
 def _rank_main(
     rank: int, world_size: int, port: int, fn: Callable, args: Sequence, kwargs: dict,
     parallel: Optional[dict], device: str, result_dir: str, timeout_s: int,

@@ -82,3 +82,17 @@ def test_cuda_fork_failure_falls_back_to_spawn(monkeypatch):
     with pytest.raises(DistributedTestError, match="wrong loss"):
         run_distributed(_read_env, 2, args=("X",), device="cuda")
     assert calls == ["forkserver"]
+
+
+def test_fork_server_started_early_only_when_used(monkeypatch):
+    from multiprocessing import forkserver
+
+    started = []
+    monkeypatch.setattr(forkserver, "ensure_running", lambda: started.append(True))
+    monkeypatch.setattr(dist_utils, "_forkserver_failed", False)
+    monkeypatch.setenv(dist_utils.START_ENV, "spawn")
+    dist_utils.start_fork_server()
+    assert started == []
+    monkeypatch.delenv(dist_utils.START_ENV)
+    dist_utils.start_fork_server()
+    assert started == [True]

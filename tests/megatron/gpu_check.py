@@ -8,7 +8,9 @@ Run on the GPU machine (megatron-core 0.19.x or 0.16.x, one GPU per rank) from t
     python tests/megatron/gpu_check.py --backend torch    # the torch backend instead
 
 Tests needing more ranks than GPUs are skipped (the TP=4 tests need 4 GPUs, the metrics test 8).
-Exit status 0 when everything ran and passed.
+Exit status 0 when everything ran and passed. This runs one pytest process; the same tests as
+parallel pytest processes under a deadline (minutes on 2 GPUs): step ``tests`` of
+``benchmarks/gpu_integration.sh`` (``benchmarks/gpu_tests.py``).
 """
 
 from __future__ import annotations

@@ -67,6 +67,7 @@ from msa_megatron.megatron import (
     set_kl_loss_scale,
     set_msa_mode,
 )
+from msa_megatron.megatron.index import reduce_index_grads_over_tp
 
 import retrieval_task  # noqa: E402  (examples/retrieval_task.py, beside this script)
 
@@ -567,6 +568,7 @@ def train_steps(history: History, model: GPTModel, optimizer: torch.optim.Optimi
         optimizer.zero_grad(set_to_none=True)
         loss = lm_loss(model, batch, autocast)
         loss.backward()
+        reduce_index_grads_over_tp(model, tp_group)  # replicated index weights: partial grads
         all_reduce_gradients(model, dp_cp_group)
         clip_grad_norm(model, args.clip_grad, tp_group)
         optimizer.step()

@@ -18,7 +18,7 @@ from .attention import (
 )
 from .args import add_msa_arguments, msa_config_from_args
 from .checkpoint import load_dense_checkpoint, msa_only_keys
-from .index import MSAIndexBranch
+from .index import MSAIndexBranch, reduce_index_grads_over_tp
 from .loss import get_kl_loss_scale, schedule_loss_scale, set_kl_loss_scale
 from .metrics import get_msa_metrics
 from .probe import SelectionProbe, arm_selection_probe
@@ -43,6 +43,7 @@ __all__ = [
     "load_dense_checkpoint",
     "msa_config_from_args",
     "msa_only_keys",
+    "reduce_index_grads_over_tp",
     "schedule_loss_scale",
     "set_kl_loss_scale",
     "set_msa_mode",

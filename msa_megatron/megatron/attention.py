@@ -76,6 +76,7 @@ from .index import (  # noqa: F401  (build_head_layout, MSAHeadLayout: public he
 from .loss import attach_kl_loss, set_kl_loss_scale
 from .metrics import cp_stats_accumulator, record_kl
 from .probe import warn_probe_under_cp
+from .sequence_parallel import SharedGather, can_run_local, local_projection
 
 
 @dataclass
@@ -212,11 +213,22 @@ class MSASelfAttention(SelfAttention):
         if rotary_pos_emb is not None and not isinstance(rotary_pos_emb, tuple):
             rotary_pos_emb = (rotary_pos_emb,) * 2
 
-        q_idx, k_idx = self.index(hidden_states, rotary_pos_emb, packed_seq_params)
-
         gated = bool(getattr(self.config, "attention_output_gate", False))
-        qkv = self.get_query_key_value_tensors(hidden_states, None, output_gate=gated,
-                                               split_qkv=True)
+        if (self.config.sequence_parallel and self.world_size > 1
+                and can_run_local(self.linear_qkv)):
+            # One all-gather of the hidden states for the three projections
+            # (megatron/sequence_parallel.py).
+            shared = SharedGather(hidden_states, self.pg_collection.tp)
+            with shared.saving():
+                q_idx, k_idx = self.index(shared.full, rotary_pos_emb, packed_seq_params,
+                                          gathered=True)
+                with local_projection(self.linear_qkv):
+                    qkv = self.get_query_key_value_tensors(shared.full, None, output_gate=gated,
+                                                           split_qkv=True)
+        else:
+            q_idx, k_idx = self.index(hidden_states, rotary_pos_emb, packed_seq_params)
+            qkv = self.get_query_key_value_tensors(hidden_states, None, output_gate=gated,
+                                                   split_qkv=True)
         query, key, value = qkv[:3]
         gate = qkv[3] if gated else None
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"

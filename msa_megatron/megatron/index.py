@@ -8,15 +8,18 @@ attention explicitly (:meth:`msa_megatron.megatron.attention.MSASelfAttention.fo
   index heads serve (gathered and sliced when TP > Hi,
   :func:`~msa_megatron.parallel.comm.gather_last_dim`).
 - ``linear_k_idx`` (hidden -> Hik*Di, :class:`IndexKeyLinear`): split over TP by index key head
-  when ``Hik % TP == 0``; otherwise (e.g. the default Hik = 1) replicated on every TP rank with
-  its gradient summed over TP inside autograd, like the index norms' gradients, so
-  ``loss.backward()`` alone leaves correct gradients.
+  when ``Hik % TP == 0``; otherwise (e.g. the default Hik = 1) replicated on every TP rank.
+  Its gradient, like the index norms', is this rank's partial one; it is summed over TP once
+  per step where megatron-core reduces TP-replicated parameters (``finalize_model_grads``, see
+  :func:`mark_tp_partial_grad`), or by :func:`reduce_index_grads_over_tp` in a training loop of
+  one's own.
 - The index q/k get the transforms of the main q/k: the ``q_layernorm`` class of the spec (own
   weights, when ``qk_layernorm``) and the layer's RoPE (:func:`apply_rope`).
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -36,9 +39,9 @@ from ..parallel.comm import (
     gather_last_dim,
     group_rank,
     group_size,
-    register_grad_sum,
 )
 from ..parallel.tensor import index_head_layout
+from .sequence_parallel import local_projection
 
 
 @dataclass(frozen=True)
@@ -90,11 +93,69 @@ def build_head_layout(config: TransformerConfig, msa_config: MSAConfig, tp_size:
     return MSAHeadLayout(hi, hik, di, first, count, key_first, key_count, share)
 
 
-def sum_grad_over_tp(param: torch.nn.Parameter, tp_group: Optional[dist.ProcessGroup]) -> None:
-    """Make ``param`` (replicated over TP, each rank computing a partial gradient) receive the
-    TP-summed gradient in backward, and keep megatron's finalize step from summing it again."""
+TP_PARTIAL_GRAD_ATTR = "msa_tp_partial_grad"
+"""Marks a TP-replicated parameter whose per-rank gradient is a partial one (summed over TP)."""
+
+
+def mark_tp_partial_grad(param: torch.nn.Parameter, tp_group: Optional[dist.ProcessGroup]) -> None:
+    """Let megatron-core's ``finalize_model_grads`` sum ``param``'s gradient over TP, once per step.
+
+    ``param`` is replicated over the TP group and each rank computes a partial gradient (its own
+    index heads' KL). megatron-core 0.16-0.19 all-reduce, after the last micro-batch, the
+    gradients of parameters marked ``average_gradients_across_tp_domain`` with ``AVG`` (one
+    coalesced all-reduce for all of them, ``_allreduce_non_tensor_model_parallel_grads``).
+    The mark is set here, and a local tensor hook multiplies each micro-batch's gradient by the
+    TP size (no communication), so that the average is the sum. ``sequence_parallel`` is set
+    False so the parameter is not also summed as a sequence-parallel one.
+
+    Raises:
+        TypeError: ``param`` is not a tensor.
+    """
+    if not isinstance(param, torch.Tensor):
+        raise TypeError(f"param must be a torch.Tensor, got {type(param).__name__}")
     param.sequence_parallel = False
-    register_grad_sum(param, tp_group)
+    size = group_size(tp_group)
+    if size == 1:
+        return
+    param.average_gradients_across_tp_domain = True
+    setattr(param, TP_PARTIAL_GRAD_ATTR, True)
+    param.register_hook(lambda grad: grad * size)
+
+
+def reduce_index_grads_over_tp(model, tp_group: Optional[dist.ProcessGroup]) -> int:
+    """Sum the partial gradients of TP-replicated index parameters over TP, once per step.
+
+    For training loops without megatron-core's ``finalize_model_grads`` (which does this for
+    every parameter marked by :func:`mark_tp_partial_grad`): call after the last backward of the
+    step. One all-reduce (``AVG`` of the TP-scaled gradients, i.e. the sum of the partial ones)
+    over the coalesced gradients; ``main_grad`` is used where a parameter has one.
+
+    Args:
+        model: a module or a list of model chunks.
+        tp_group: the tensor-parallel group.
+
+    Returns:
+        The number of gradients reduced.
+    """
+    if group_size(tp_group) == 1:
+        return 0
+    chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
+    grads = []
+    for chunk in chunks:
+        for param in chunk.parameters():
+            if getattr(param, TP_PARTIAL_GRAD_ATTR, False):
+                grad = getattr(param, "main_grad", None)
+                grad = param.grad if grad is None else grad
+                if grad is not None:
+                    grads.append(grad)
+    if grads:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=tp_group)
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+    return len(grads)
 
 
 class IndexKeyLinear(torch.nn.Module):
@@ -104,9 +165,9 @@ class IndexKeyLinear(torch.nn.Module):
     ``Hik % TP == 0``: split over TP by key head, rank ``r`` holding key heads
     ``[r*Hik/TP, (r+1)*Hik/TP)`` (those its index heads read: index head ``i`` reads key head
     ``i // (Hi/Hik)``), a TP-sharded parameter (partition dim 0) with per-rank gradients.
-    Otherwise replicated on every TP rank; the gradient of ``W`` is summed over the TP group
-    inside autograd (:func:`sum_grad_over_tp`), so each rank ends with the gradient of the whole
-    layer. Initialised as the full ``[Hik*Di, hidden]`` matrix on every rank, then sliced: the
+    Otherwise replicated on every TP rank; each rank's gradient of ``W`` is partial and summed
+    over TP once per step by megatron-core's ``finalize_model_grads``
+    (:func:`mark_tp_partial_grad`). Initialised as the full ``[Hik*Di, hidden]`` matrix on every rank, then sliced: the
     weights are the same for every TP size. Checkpointed as one global tensor in both layouts
     (:meth:`sharded_state_dict`), so checkpoints reshard between them.
 
@@ -133,7 +194,7 @@ class IndexKeyLinear(torch.nn.Module):
         if self.sharded:
             tensor_parallel.set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
         else:
-            sum_grad_over_tp(self.weight, tp_group)
+            mark_tp_partial_grad(self.weight, tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., hidden]`` (the full sequence) -> ``[..., num_heads * Di]``."""
@@ -149,6 +210,44 @@ class IndexKeyLinear(torch.nn.Module):
             self.state_dict(prefix="", keep_vars=True), prefix,
             {"weight": 0} if self.sharded else {}, sharded_offsets, tp_group=self.tp_group,
             dp_cp_group=(metadata or {}).get("dp_cp_group"))
+
+
+# Userbuffer names Transformer Engine overlaps; megatron-core's TELinear turns
+# ``config.tp_comm_overlap`` off, on the config it was given, for any other name.
+TE_OVERLAP_BUFFER_NAMES = ("qkv", "proj", "fc1", "fc2")
+
+
+def index_projection_comm(config: TransformerConfig) -> Tuple[TransformerConfig, Optional[str]]:
+    """The config and ``tp_comm_buffer_name`` to build the index query projection with.
+
+    megatron-core 0.16-0.19's ``TELinear.__init__`` sets ``config.tp_comm_overlap = False``
+    (on the config object, shared by every layer built after it) when TP communication overlap
+    is on and the buffer name is not one of :data:`TE_OVERLAP_BUFFER_NAMES`; with overlap on and
+    no name, Transformer Engine asserts. The index projection has no communication to overlap
+    (its input is the layer's gathered hidden states, :meth:`MSASelfAttention.forward
+    <msa_megatron.megatron.attention.MSASelfAttention.forward>`, and no input gradient), so with
+    overlap on it gets a private copy of the config with overlap off, and no buffer name; the
+    shared config keeps overlap on for the layers' own projections.
+
+    Args:
+        config: the layer's TransformerConfig (not modified).
+
+    Returns:
+        ``(config_for_the_projection, buffer_name)``: ``(config, None)`` without overlap, else
+        ``(copy with tp_comm_overlap=False, None)``.
+    """
+    if not getattr(config, "tp_comm_overlap", False):
+        return config, None
+    private = copy.copy(config)
+    private.tp_comm_overlap = False
+    return private, None
+
+
+def te_disables_overlap(config: TransformerConfig, tp_comm_buffer_name: Optional[str]) -> bool:
+    """Whether megatron-core's ``TELinear`` would turn ``config.tp_comm_overlap`` off when built
+    with this buffer name (its rule, 0.16-0.19; for checks without Transformer Engine)."""
+    return bool(getattr(config, "tp_comm_overlap", False) and tp_comm_buffer_name
+                and tp_comm_buffer_name not in TE_OVERLAP_BUFFER_NAMES)
 
 
 def rope_cu_seqlens(packed_seq_params) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -197,10 +296,11 @@ class MSAIndexBranch(MegatronModule):
         self.layout = layout
         self.tp_group = pg_collection.tp
         self.cp_group = getattr(pg_collection, "cp", None)
+        q_idx_config, buffer_name = index_projection_comm(config)
         self.linear_q_idx = build_module(
             linear_q_idx, config.hidden_size, layout.num_index_heads * layout.index_head_dim,
-            config=config, init_method=config.init_method, gather_output=False, bias=False,
-            skip_bias_add=True, is_expert=False, tp_comm_buffer_name="q_idx",
+            config=q_idx_config, init_method=config.init_method, gather_output=False, bias=False,
+            skip_bias_add=True, is_expert=False, tp_comm_buffer_name=buffer_name,
             tp_group=self.tp_group,
         )
         self.linear_k_idx = IndexKeyLinear(config.hidden_size, layout.index_key_heads,
@@ -217,15 +317,19 @@ class MSAIndexBranch(MegatronModule):
         if isinstance(norm, IdentityOp):
             return None
         for param in norm.parameters():
-            sum_grad_over_tp(param, self.tp_group)
+            mark_tp_partial_grad(param, self.tp_group)
         return norm
 
-    def forward(self, hidden_states: torch.Tensor, rotary_pos_emb, packed_seq_params
-                ) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, hidden_states: torch.Tensor, rotary_pos_emb, packed_seq_params,
+                gathered: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
         """Index q/k from the attention input with gradient stopped (MSA_SPEC section 4).
 
         Args:
-            hidden_states: ``[s, b, hidden]`` (``[s/TP, b, hidden]`` with sequence parallelism).
+            hidden_states: ``[s, b, hidden]`` (``[s/TP, b, hidden]`` with sequence parallelism
+                unless ``gathered``).
+            gathered: the caller passes the sequence-parallel input already all-gathered
+                (:mod:`.sequence_parallel`); otherwise it is gathered here, once for both
+                projections.
             rotary_pos_emb: the layer's RoPE frequencies as a ``(q, k)`` pair, or None.
             packed_seq_params: THD boundaries or None.
 
@@ -238,14 +342,19 @@ class MSAIndexBranch(MegatronModule):
         """
         layout = self.layout
         x = hidden_states.detach()
-        q_idx, _ = self.linear_q_idx(x)
+        if self.config.sequence_parallel and group_size(self.tp_group) > 1 and not gathered:
+            x = all_gather_first_dim(x, self.tp_group)
+            gathered = True
+        if gathered:
+            with local_projection(self.linear_q_idx):
+                q_idx, _ = self.linear_q_idx(x)
+        else:
+            q_idx, _ = self.linear_q_idx(x)
         if layout.share > 1:
             q_idx = gather_last_dim(q_idx, self.tp_group)
             width = layout.index_head_dim
             q_idx = q_idx[..., layout.index_first * width:(layout.index_first + 1) * width]
         q_idx = q_idx.reshape(*q_idx.shape[:2], layout.index_count, layout.index_head_dim)
-        if self.config.sequence_parallel:
-            x = all_gather_first_dim(x, self.tp_group)
         k_idx = self.linear_k_idx(x)
         k_idx = k_idx.reshape(*k_idx.shape[:2], self.linear_k_idx.num_heads,
                               layout.index_head_dim)

@@ -117,18 +117,27 @@ def tp_group():
 
 
 def sum_qk_norm_grads(model) -> None:
-    """What megatron's finalize_model_grads does for TP-replicated parameters with partial grads:
-    the main q/k norms, and every ``sequence_parallel`` parameter under sequence parallelism (the
-    MSA index parameters sum theirs inside autograd and are not marked)."""
-    group = tp_group()
-    if dist.get_world_size(group) == 1:
+    """megatron-core's own finalize step for TP-replicated parameters with partial gradients
+    (``finalize_model_grads``' ``_allreduce_non_tensor_model_parallel_grads``, the same in 0.16
+    and 0.19): the main q/k norms, ``sequence_parallel`` parameters under sequence parallelism,
+    and the MSA index parameters marked ``average_gradients_across_tp_domain``. The raw model
+    stands in for megatron's DDP wrapper (only its ``ddp_config`` is read)."""
+    import types
+
+    from megatron.core.distributed.finalize_model_grads import (
+        _allreduce_non_tensor_model_parallel_grads,
+    )
+
+    if dist.get_world_size(tp_group()) == 1:
         return
-    sequence_parallel = model.config.sequence_parallel
-    for name, param in model.named_parameters():
-        partial = ("q_layernorm" in name or "k_layernorm" in name
-                   or (sequence_parallel and getattr(param, "sequence_parallel", False)))
-        if partial and param.grad is not None:
-            dist.all_reduce(param.grad, group=group)
+    had = hasattr(model, "ddp_config")
+    if not had:
+        model.ddp_config = types.SimpleNamespace(use_megatron_fsdp=False)
+    try:
+        _allreduce_non_tensor_model_parallel_grads([model], model.config, tp_group())
+    finally:
+        if not had:
+            del model.ddp_config
 
 
 def full_tensor(param: torch.Tensor) -> torch.Tensor:

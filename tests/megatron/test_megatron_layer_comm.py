@@ -201,3 +201,58 @@ def test_replicated_index_grads_reduced_once_per_step(micro_batches):
             torch.testing.assert_close(result["grads"][name], grad, **TOL, msg=name)
             if "_idx" in name:
                 assert grad.abs().max() > 0, name
+
+
+def _te_extension_source() -> str:
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("megatron.core.extensions.transformer_engine")
+    return Path(spec.origin).read_text()
+
+
+def test_index_projection_keeps_tp_comm_overlap_on():
+    """megatron-core's TELinear turns ``tp_comm_overlap`` off on the config it gets for a buffer
+    name outside qkv/proj/fc1/fc2 (read from the installed source here); the index projection
+    is built with a private config without overlap, so the shared config keeps it."""
+    import re
+
+    from megatron.core.transformer import TransformerConfig
+
+    from msa_megatron.megatron.index import (
+        TE_OVERLAP_BUFFER_NAMES,
+        index_projection_comm,
+        te_disables_overlap,
+    )
+
+    source = _te_extension_source()
+    rule = re.search(r"tp_comm_buffer_name not in \[([^\]]*)\]\s*\):\s*self\.config\."
+                     r"tp_comm_overlap = False", source)
+    assert rule, "megatron-core's TELinear overlap rule changed: check index_projection_comm"
+    assert tuple(re.findall(r'"(\w+)"', rule.group(1))) == TE_OVERLAP_BUFFER_NAMES
+
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4,
+                               use_cpu_initialization=True)
+    assert index_projection_comm(config) == (config, None)
+    config.tp_comm_overlap = True  # set after construction: its checks want TE and SP
+    private, name = index_projection_comm(config)
+    assert config.tp_comm_overlap and private is not config and not private.tp_comm_overlap
+    assert private.hidden_size == config.hidden_size
+    assert not te_disables_overlap(private, name)
+    assert te_disables_overlap(config, "q_idx")  # the name the projection was built with before
+
+
+def _overlap_worker(rank: int, world_size: int) -> dict:
+    layer_config = {}
+    from megatron.core.transformer import TransformerConfig  # noqa: F401
+
+    layer = _build_attention(world_size, False)
+    config = layer.config
+    layer_config["same_config"] = layer.index.linear_q_idx.config is config
+    return layer_config
+
+
+def test_index_projection_config_is_shared_without_overlap():
+    """Without overlap the projection is built with the layer's own config (no copy)."""
+    result = run_distributed(_overlap_worker, 1, tp=1)[0]
+    assert result["same_config"]

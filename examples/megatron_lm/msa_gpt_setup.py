@@ -13,20 +13,25 @@ Shared by ``pretrain_msa_gpt.py`` and ``convert_dense_to_msa.py`` (which need me
 - :func:`adapt_to_installed_kernels`: turns off what needs Transformer Engine or Apex when they
   are absent (fusions, persistent layer norm, sequence parallelism with torch norms);
 - :func:`fit_lr_schedule`: keeps the learning-rate warmup shorter than the decay for any
-  ``--train-iters >= 1``.
+  ``--train-iters >= 1``;
+- :class:`MSAMetricsLog`: the MSA metrics (KL per layer, attended share, selection recall,
+  throughput with MSA layers counted sparse, :func:`msa_flops_delta`) gathered once per log
+  interval, on every rank after the step's last backward, as one log line.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-from typing import Dict, Iterable, List, Optional
+import time
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional
 
 from msa_megatron.megatron.args import (MSA_FLAG_FIELDS, WARMUP_FIELD, add_msa_arguments,
                                         msa_config_from_args)
+from msa_megatron.megatron.flops import megatron_dense_core_flops, msa_layer_flops
 
-__all__ = ["MSA_CONFIG_FLAGS", "add_msa_args", "adapt_to_installed_kernels",
-           "attended_block_fraction", "fit_lr_schedule", "installed_kernels",
+__all__ = ["MSA_CONFIG_FLAGS", "MSAMetricsLog", "add_msa_args", "adapt_to_installed_kernels",
+           "attended_block_fraction", "fit_lr_schedule", "installed_kernels", "msa_flops_delta",
            "msa_config_from_args", "msa_mode_at", "notice", "parser_has_msa_flags"]
 
 # MSAConfig fields set by --msa-<field> flags (dashes for underscores): the library's.
@@ -58,6 +63,11 @@ def add_msa_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     kit.add_argument("--dense-gpt", action="store_true",
                      help="train a plain dense GPT (megatron-core's layer spec, no MSA layers): "
                           "the starting point of convert_dense_to_msa.py")
+    kit.add_argument("--probe-interval", type=int, default=None,
+                     help="measure the selection recall every N iterations (default: every log "
+                          "interval, on the logged iteration; 0: never)")
+    kit.add_argument("--probe-rows", type=int, default=256,
+                     help="query rows sampled per MSA layer for the recall")
     return add_msa_arguments(parser, prefix="msa", warmup=True)
 
 
@@ -193,3 +203,159 @@ def attended_block_fraction(seq_len: int, block_size: int, top_k: int) -> float:
         attended += tokens * min(visible, top_k)
         causal += tokens * visible
     return attended / causal
+
+
+def msa_flops_delta(args: argparse.Namespace, batch_size: int, mode: str) -> float:
+    """FLOPs to add to Megatron's ``num_floating_point_operations(args, batch_size)`` so that
+    the MSA layers count what they compute (:mod:`msa_megatron.megatron.flops`) instead of dense
+    attention: per layer and sequence of ``args.seq_length`` tokens, the MSA layer's count minus
+    Megatron's dense core-attention term. Negative in sparse mode at length.
+
+    Args:
+        args: Megatron's arguments (``num_layers``, ``seq_length``, ``hidden_size``,
+            ``num_attention_heads``, ``kv_channels``, ``num_query_groups`` /
+            ``group_query_attention`` and the ``--msa-*`` flags).
+        batch_size: sequences per iteration (global batch).
+        mode: ``"sparse"`` or ``"dense"``.
+    """
+    config = msa_config_from_args(args)
+    heads = args.num_attention_heads
+    groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
+    head_dim = args.kv_channels or args.hidden_size // heads
+    msa = msa_layer_flops(
+        args.seq_length, hidden_size=args.hidden_size, num_heads=heads, head_dim=head_dim,
+        index_heads=config.resolved_index_heads(groups), index_key_heads=config.index_key_heads,
+        index_head_dim=config.index_head_dim, block_size=config.block_size, top_k=config.top_k,
+        mode=mode)["total"]
+    dense = megatron_dense_core_flops(args.seq_length, num_heads=heads, head_dim=head_dim)
+    return float(args.num_layers * batch_size * (msa - dense))
+
+
+def _label(key: str) -> str:
+    """``msa/kl/layer_01`` -> ``msa kl layer_01``."""
+    return key.replace("/", " ").replace("_bytes", " bytes")
+
+
+class MSAMetricsLog:
+    """The MSA metrics of the Megatron-LM entry point, gathered once per log interval.
+
+    Every micro-batch the MSA layers only add their KL to device accumulators (no host sync, no
+    collective; :func:`msa_megatron.megatron.get_msa_metrics`). On the iterations Megatron logs
+    (``(iteration + 1) % log_interval == 0``, ``iteration`` 0-based as ``args.curr_iteration``),
+    :meth:`after_step` runs one gather on every rank after the step's last backward and returns
+    the line to print: the interval's mean KL per layer and overall, the attended share of
+    causal key blocks, the recall (:meth:`before_forward` arms the selection probe on recall
+    iterations) and the throughput with MSA layers counted sparse. Recall is the mean over the
+    iterations it was measured on (never averaged with unmeasured ones); a line without a
+    measurement repeats the last one, marked with its iteration.
+
+    Args:
+        log_interval: Megatron's ``--log-interval``.
+        recall_interval: iterations between recall measurements (None: the log interval, on the
+            logged iterations; 0: never).
+        recall_rows: query rows sampled per layer.
+        flops_per_iteration: ``mode -> FLOPs`` of one iteration with MSA layers counted sparse
+            (None: no throughput).
+        world_size: ranks (the throughput is per rank).
+        clock: seconds (``time.perf_counter``).
+
+    Raises:
+        ValueError: a non-positive ``log_interval`` or ``recall_rows``, a negative
+            ``recall_interval``.
+    """
+
+    def __init__(self, log_interval: int, recall_interval: Optional[int] = None,
+                 recall_rows: int = 256,
+                 flops_per_iteration: Optional[Callable[[str], float]] = None,
+                 world_size: int = 1, clock: Callable[[], float] = time.perf_counter) -> None:
+        if log_interval <= 0:
+            raise ValueError(f"log_interval must be positive, got {log_interval}")
+        if recall_interval is not None and recall_interval < 0:
+            raise ValueError(f"recall_interval must be >= 0, got {recall_interval}")
+        if recall_rows <= 0:
+            raise ValueError(f"recall_rows must be positive, got {recall_rows}")
+        self.log_interval = log_interval
+        self.recall_interval = recall_interval
+        self.recall_rows = recall_rows
+        self.flops_per_iteration = flops_per_iteration
+        self.world_size = world_size
+        self.clock = clock
+        self.last_recall: Dict[str, float] = {}
+        self.last_recall_iteration: Optional[int] = None
+        self._armed: set = set()
+        self._flops = 0.0
+        self._since: Optional[float] = None
+
+    def log_due(self, iteration: int) -> bool:
+        """Megatron logs the step of 0-based ``iteration``."""
+        return (iteration + 1) % self.log_interval == 0
+
+    def recall_due(self, iteration: int) -> bool:
+        """The step of 0-based ``iteration`` measures the recall."""
+        if self.recall_interval is None:
+            return self.log_due(iteration)
+        return self.recall_interval > 0 and (iteration + 1) % self.recall_interval == 0
+
+    def before_forward(self, iteration: int, chunk: Any, training: bool,
+                       arm: Callable[[Any, int], Any]) -> bool:
+        """Call at every forward step: arms the probe (``arm(chunk, rows)``) at the first
+        training forward of each model chunk on recall iterations. Returns whether it armed."""
+        if self._since is None:
+            self._since = self.clock()
+        key = (iteration, id(chunk))
+        if not training or key in self._armed or not self.recall_due(iteration):
+            return False
+        self._armed = {k for k in self._armed if k[0] == iteration}
+        self._armed.add(key)
+        arm(chunk, self.recall_rows)
+        return True
+
+    def after_step(self, iteration: int, gather: Callable[[], Mapping[str, float]],
+                   mode: str, blocks_share: float) -> Optional[Dict[str, float]]:
+        """Call on every rank after the step's last backward (a collective on log iterations).
+
+        Args:
+            iteration: 0-based iteration of the step.
+            gather: :func:`msa_megatron.megatron.get_msa_metrics` (reduces over all ranks and
+                resets).
+            mode: the step's attention mode; blocks_share: share of causal key blocks attended.
+
+        Returns:
+            None off log iterations; else the values to log, ``{label: value}`` with labels
+            ``msa kl``, ``msa kl layer_NN``, ``msa blocks``, ``msa recall``,
+            ``msa recall layer_NN`` (and ``msa cp bytes ...`` under CP), plus
+            ``throughput per GPU, MSA counted sparse (TFLOP/s/GPU)``.
+        """
+        if self.flops_per_iteration is not None:
+            self._flops += self.flops_per_iteration(mode)
+        if not self.log_due(iteration):
+            return None
+        metrics = dict(gather())
+        values: Dict[str, float] = {}
+        recall = {k: v for k, v in metrics.items() if k.startswith("msa/recall")}
+        if recall:
+            self.last_recall, self.last_recall_iteration = recall, iteration
+        for key, value in sorted(metrics.items()):
+            if not key.startswith("msa/recall"):
+                values[_label(key)] = value
+        values["msa blocks"] = 1.0 if mode == "dense" else blocks_share
+        for key, value in sorted(self.last_recall.items()):
+            values[_label(key)] = value
+        now = self.clock()
+        if self.flops_per_iteration is not None and self._since is not None and now > self._since:
+            values["throughput per GPU, MSA counted sparse (TFLOP/s/GPU)"] = (
+                self._flops / (now - self._since) / self.world_size / 1e12)
+        self._flops, self._since = 0.0, now
+        return values
+
+    def line(self, iteration: int, values: Mapping[str, float]) -> str:
+        """The log line of :meth:`after_step`'s values (``iteration`` 0-based). Recall values
+        measured on an earlier logged iteration say which."""
+        parts = [f"msa-megatron | iteration {iteration + 1:8d} |"]
+        for label, value in values.items():
+            text = f" {label}: {value:.6E} |"
+            if (label.startswith("msa recall") and self.last_recall_iteration is not None
+                    and self.last_recall_iteration != iteration and label == "msa recall"):
+                text = f" {label}: {value:.6E} (iteration {self.last_recall_iteration + 1}) |"
+            parts.append(text)
+        return "".join(parts)

@@ -7,9 +7,15 @@ wheel, Python >= 3.12), so no Megatron-LM checkout and no patch is needed:
   the library's ``--msa-*`` flags, :func:`msa_megatron.megatron.add_msa_arguments`);
 - every attention layer is MSA: the GPT model config gets ``get_gpt_layer_msa_spec``;
 - the dense-warmup-to-sparse switch happens in :func:`forward_step` (``--msa-warmup-steps``);
-- the index-branch KL is reported next to ``lm loss`` in Megatron's training log by
-  :func:`loss_func` (``msa kl``, per layer ``msa kl layer_NN``, averaged like the LM loss) with
-  the share of causal key blocks attended (``msa blocks``);
+- the MSA metrics are gathered once per log interval, on every rank after the logged step's last
+  backward (:func:`install_metrics_log`, :class:`msa_gpt_setup.MSAMetricsLog`: no host sync or
+  collective per micro-batch), and printed as one ``msa-megatron | iteration N |`` line after
+  Megatron's: ``msa kl`` (mean over all layers of the interval), ``msa kl layer_NN``, ``msa
+  blocks`` (share of causal key blocks attended), ``msa recall`` / ``msa recall layer_NN``
+  (selection recall of ``--probe-rows`` sampled rows, measured every
+  ``--probe-interval`` iterations, by default on the logged ones) and the throughput with
+  the MSA layers counted sparse (Megatron's own TFLOP/s counts them as dense attention); also
+  to TensorBoard / W&B when Megatron writes there;
 - what needs Transformer Engine or Apex is turned off when they are absent, and the LR warmup
   kept below the decay, with one printed line (:func:`parse_msa_gpt_args`);
 - ``--dense-gpt`` trains megatron-core's plain GPT instead (the dense start of
@@ -40,19 +46,20 @@ from megatron.core import parallel_state
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.enums import ModelType
-from megatron.core.utils import get_attr_wrapped_model, get_batch_on_this_cp_rank
+from megatron.core.utils import get_attr_wrapped_model, get_batch_on_this_cp_rank, get_model_config
 from megatron.training import get_args, get_tokenizer, pretrain, print_rank_0
+from megatron.training.utils import print_rank_last
 from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
-from msa_gpt_setup import (adapt_to_installed_kernels, add_msa_args, attended_block_fraction,
-                           fit_lr_schedule, installed_kernels, msa_config_from_args, msa_mode_at,
-                           notice)
-from msa_megatron.megatron import get_gpt_layer_msa_spec, get_msa_metrics, set_msa_mode
+from msa_gpt_setup import (MSAMetricsLog, adapt_to_installed_kernels, add_msa_args,
+                           attended_block_fraction, fit_lr_schedule, installed_kernels,
+                           msa_config_from_args, msa_flops_delta, msa_mode_at, notice)
+from msa_megatron.megatron import (arm_selection_probe, get_gpt_layer_msa_spec, get_msa_metrics,
+                                   set_msa_mode)
 
-KL_REPORT_KEY = "msa kl"
-BLOCKS_REPORT_KEY = "msa blocks"  # share of causal key blocks attended (1 when dense)
 _current_mode: Optional[str] = None
+_metrics_log: Optional[MSAMetricsLog] = None
 
 
 def package_is_patched(args: argparse.Namespace) -> bool:
@@ -75,63 +82,107 @@ def get_batch(data_iterator, vp_stage: Optional[int] = None) -> Dict[str, Option
                                      cp_group=parallel_state.get_context_parallel_group())
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, report_kl: bool = True
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor
               ) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]:
-    """Summed masked LM loss, token count, and the report Megatron logs: ``lm loss``, ``msa kl``
-    (mean over layers), ``msa kl layer_NN`` (per layer) and ``msa blocks`` (the share of causal
-    key blocks each query attends: 1 in dense mode, ``top_k`` of the causal blocks in sparse).
-
-    The KL is the mean over this pipeline stage's MSA layers of their index-branch KL for this
-    micro-batch (TP and CP shares added; Megatron then averages it over data-parallel ranks
-    weighted by tokens, like the LM loss). With pipeline parallelism it covers the last stage's
-    layers; ``patches/`` logs every layer from the training loop instead (``report_kl=False``
-    then, so the patched loop reads the metrics).
-    """
+    """Summed masked LM loss, token count, and Megatron's report (``lm loss``). The MSA metrics
+    are not reported per micro-batch (that would sync and reduce every micro-batch, and
+    Megatron averages report keys over every iteration of the interval): they have their own
+    line per log interval (:func:`install_metrics_log`)."""
     losses = output_tensor.view(-1).float()
     loss_mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * loss_mask)
     num_tokens = loss_mask.sum().clone().detach().to(torch.int)
     report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
-    if not report_kl:
-        return loss, num_tokens, report
-    metrics = get_msa_metrics(group=parallel_state.get_tensor_and_context_parallel_group())
-    weight = num_tokens.view(1).float()
-    for key, value in sorted(metrics.items()):
-        if key == "msa/kl" or key.startswith("msa/kl/layer_"):
-            name = KL_REPORT_KEY if key == "msa/kl" else f"{KL_REPORT_KEY} {key[len('msa/kl/'):]}"
-            kl = torch.tensor([value], device=loss.device) * weight
-            report[name] = torch.cat([kl.view(1), weight])
-    if "msa/kl" in metrics:
-        args = get_args()
-        share = 1.0 if _current_mode == "dense" else attended_block_fraction(
-            args.seq_length, args.msa_block_size, args.msa_top_k)
-        report[BLOCKS_REPORT_KEY] = torch.cat([torch.tensor([share], device=loss.device) * weight,
-                                               weight])
     return loss, num_tokens, report
 
 
+def _flops_per_iteration(args: argparse.Namespace):
+    """``mode -> FLOPs`` of one iteration with the MSA layers counted sparse (Megatron's count
+    plus :func:`msa_flops_delta`), or None when Megatron's count is not importable."""
+    try:
+        from megatron.training.training import num_floating_point_operations
+    except ImportError:
+        return None
+    batch = args.global_batch_size
+    try:
+        dense = num_floating_point_operations(args, batch)
+    except (AttributeError, TypeError, AssertionError) as err:  # another Megatron's signature
+        print_rank_0(f"msa-megatron: no sparse-count throughput ({err!r})")
+        return None
+    deltas = {mode: msa_flops_delta(args, batch, mode) for mode in ("sparse", "dense")}
+    return lambda mode: dense + deltas[mode]
+
+
+def install_metrics_log(model, args: argparse.Namespace) -> MSAMetricsLog:
+    """Create the metrics log and gather it after the step's last backward on every rank.
+
+    The gather runs inside ``config.finalize_model_grads_func`` (called once per step on every
+    rank, pipeline stages included, after the last backward; Megatron's ``train`` sets it before
+    the first step), wrapped here at the first forward step. On log iterations that is one
+    all-reduce over the world (:func:`msa_megatron.megatron.get_msa_metrics`); the line is
+    printed by the last rank, like Megatron's.
+    """
+    log = MSAMetricsLog(args.log_interval, args.probe_interval, args.probe_rows,
+                        _flops_per_iteration(args), args.world_size)
+    config = get_model_config(model)
+    finalize = config.finalize_model_grads_func
+    if finalize is None or getattr(finalize, "msa_metrics_log", None) is not None:
+        return log
+
+    def finalize_and_log(*f_args, **f_kwargs):
+        result = finalize(*f_args, **f_kwargs)
+        iteration = getattr(get_args(), "curr_iteration", 0)
+        mode = _current_mode or "sparse"
+        share = attended_block_fraction(args.seq_length, args.msa_block_size, args.msa_top_k)
+        values = log.after_step(iteration, get_msa_metrics, mode, share)
+        if values is not None:
+            print_rank_last(log.line(iteration, values))
+            _write_scalars(values, iteration + 1)
+        return result
+
+    finalize_and_log.msa_metrics_log = log
+    config.finalize_model_grads_func = finalize_and_log
+    return log
+
+
+def _write_scalars(values: Dict[str, float], iteration: int) -> None:
+    """The logged values to Megatron's TensorBoard / W&B writers, where they exist."""
+    from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+
+    writer, wandb_writer = get_tensorboard_writer(), get_wandb_writer()
+    for label, value in values.items():
+        if writer is not None:
+            writer.add_scalar(label, value, iteration)
+        if wandb_writer is not None:
+            wandb_writer.log({label: value}, iteration)
+
+
 def forward_step(data_iterator, model):
-    """One micro-batch forward: the MSA warmup switch, then the GPT forward with labels.
+    """One micro-batch forward: the MSA warmup switch (and the selection probe on recall
+    iterations), then the GPT forward with labels.
 
     The switch reads ``args.curr_iteration``, the 0-based iteration Megatron's loop sets from
     its counter, which a resumed run restores from the checkpoint: a run stopped after N
     iterations continues at N + 1 in the mode that iteration has.
     """
-    global _current_mode
+    global _current_mode, _metrics_log
     args = get_args()
     patched = package_is_patched(args)
-    report_kl = not (patched or args.dense_gpt)
-    if report_kl:  # the patched loop calls apply_msa_warmup itself
+    if not (patched or args.dense_gpt):  # the patched loop switches and logs itself
         iteration = getattr(args, "curr_iteration", 0)
         mode = msa_mode_at(iteration, args.msa_warmup_steps)
         if mode != _current_mode:
             set_msa_mode(model, mode)
             print_rank_0(f"MSA attention mode: {mode} (iteration {iteration + 1})")
             _current_mode = mode
+        if _metrics_log is None:
+            _metrics_log = install_metrics_log(model, args)
+        _metrics_log.before_forward(iteration, model, model.training,
+                                    lambda chunk, rows: arm_selection_probe(chunk, num_rows=rows))
     batch = get_batch(data_iterator, get_attr_wrapped_model(model, "vp_stage"))
     output_tensor = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
                           loss_mask=batch["loss_mask"])
-    return output_tensor, partial(loss_func, batch["loss_mask"], report_kl=report_kl)
+    return output_tensor, partial(loss_func, batch["loss_mask"])
 
 
 def is_dataset_built_on_rank(vp_stage: Optional[int] = None) -> bool:

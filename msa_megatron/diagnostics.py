@@ -18,7 +18,7 @@ Both run on the general query layout (``q_pos``, ``q_kbase``) of
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -74,6 +74,7 @@ def selection_recall(
     softmax_scale: Optional[float] = None,
     index_scale: Optional[float] = None,
     backend: Optional[str] = None,
+    positions: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> SelectionSample:
     """Recall of the dense teacher's attention mass by the index selection, for sampled rows.
 
@@ -91,6 +92,11 @@ def selection_recall(
         block_size, top_k, init_blocks, local_blocks, index_scale: the layer's selection.
         softmax_scale: main logit scale, default ``D ** -0.5``.
         backend: backend of the selection (default: triton on CUDA, torch elsewhere).
+        positions: ``(q_pos, q_kbase)`` ``[T]`` int32 of the query rows against the rows of
+            ``k`` / ``k_idx`` (position in the sequence, row of the sequence's start), for keys
+            that are not the queries' own rows, e.g. the CP-gathered keys of a context-parallel
+            rank (:func:`msa_megatron.parallel.cp_layout.build_cp_layout`); None: from
+            ``cu_seqlens`` (``k`` holds the same ``T`` rows as ``q``).
 
     Returns:
         :class:`SelectionSample` with the rows, their positions, selection and recall.
@@ -105,7 +111,13 @@ def selection_recall(
     rows = rows.to(device=q.device, dtype=torch.int64)
     if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= T):
         raise ValueError(f"rows must lie in [0, {T}), got [{int(rows.min())}, {int(rows.max())}]")
-    q_pos, q_kbase = query_layout(cu_seqlens, T, q.device)
+    if positions is None:
+        q_pos, q_kbase = query_layout(cu_seqlens, T, q.device)
+    else:
+        q_pos, q_kbase = (t.to(q.device) for t in positions)
+        if q_pos.shape != (T,) or q_kbase.shape != (T,):
+            raise ValueError(f"positions must be two [T={T}] tensors, got "
+                             f"{tuple(q_pos.shape)} and {tuple(q_kbase.shape)}")
     pos, base = q_pos[rows], q_kbase[rows]
     name = resolve_backend(backend, q.device)
     block_idx = get_backend(name).select(

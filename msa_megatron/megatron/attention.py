@@ -75,7 +75,6 @@ from .index import (  # noqa: F401  (build_head_layout, MSAHeadLayout: public he
 )
 from .loss import attach_kl_loss, set_kl_loss_scale
 from .metrics import cp_stats_accumulator, record_kl
-from .probe import warn_probe_under_cp
 from .sequence_parallel import SharedGather, can_run_local, local_projection
 
 
@@ -410,14 +409,11 @@ class MSACoreAttention(MegatronModule):
                            options: MSAOptions) -> None:
         """Hand this forward's inputs to the armed selection probe, once, then disarm."""
         probe, self.probe = self.probe, None
-        if cp_size > 1:
-            warn_probe_under_cp()
-            return
         probe.observe(self.layer_number, q, k, q_idx, k_idx, cu_seqlens,
                       block_size=options.block_size, top_k=options.top_k,
                       init_blocks=options.init_blocks, local_blocks=options.local_blocks,
                       softmax_scale=options.softmax_scale, index_scale=options.index_scale,
-                      backend=options.backend)
+                      backend=options.backend, cp_group=self.groups.cp if cp_size > 1 else None)
 
 
 def _sbhd_to_thd(t: torch.Tensor) -> torch.Tensor:

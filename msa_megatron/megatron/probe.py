@@ -19,18 +19,24 @@ Cost: one selection for the sampled rows plus one dense score row per sampled ro
 head: about ``2 * rows * Hq * D * S`` FLOPs per layer (256 rows, 64 heads, D 128 at 64K:
 0.27 TFLOP, under a millisecond on an H200).
 
-Context parallelism: the sampled rows' prefixes span ranks, which this probe does not gather
-yet; under CP it records nothing (and says so once).
+Context parallelism: each CP rank measures rows of its own (the sample is drawn among its local
+rows); the prefixes of those rows span ranks, so the rank gathers the main and index keys of
+the whole micro-batch over the CP group (two all-gathers, gradient stopped; in megatron-core's
+load-balanced order, :func:`msa_megatron.parallel.cp_layout.build_cp_layout`) and measures
+its rows against them at their global positions. Every CP rank records its mean, so
+``msa/recall`` is the mean over the CP ranks' samples. Extra cost per probed layer: the
+all-gather of K (``T_global * Hkv * D`` elements) and of the index keys.
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Dict, Iterable, Optional, Union
 
 import torch
 
 from ..diagnostics import SelectionSample, sample_rows, selection_recall
+from ..parallel.comm import all_gather_first_dim, group_rank, group_size
+from ..parallel.cp_layout import build_cp_layout
 from .metrics import record_recall
 
 
@@ -69,28 +75,45 @@ class SelectionProbe:
                 k_idx: torch.Tensor, cu_seqlens: Optional[torch.Tensor], *, block_size: int,
                 top_k: int, init_blocks: int, local_blocks: int,
                 softmax_scale: Optional[float], index_scale: Optional[float],
-                backend: Optional[str]) -> SelectionSample:
-        """Measure one layer (THD tensors of this rank, no context parallelism) and record it."""
+                backend: Optional[str], cp_group=None) -> SelectionSample:
+        """Measure one layer and record it.
+
+        Args:
+            q ``[T, Hq, D]``, k ``[T, Hkv, D]``, q_idx ``[T, Hi, Di]``, k_idx ``[T, Hik, Di]``:
+                this rank's THD tensors (RoPE applied).
+            cu_seqlens: ``[n+1]`` int32 boundaries (padded ones where padded); under CP the
+                global boundaries of the un-split micro-batch (required then).
+            block_size ... backend: the layer's selection and scales.
+            cp_group: the context-parallel group (None / one rank: no CP).
+
+        Returns:
+            The :class:`~msa_megatron.diagnostics.SelectionSample` (rows are local rows).
+
+        Raises:
+            ValueError: CP without ``cu_seqlens``; bad rows (see ``selection_recall``).
+        """
+        rows = self.rows_for(q.shape[0], q.device)
+        positions = None
+        k, k_idx = k.detach(), k_idx.detach()
+        if group_size(cp_group) > 1:
+            if cu_seqlens is None:
+                raise ValueError("the selection probe under context parallelism needs the "
+                                 "global cu_seqlens")
+            layout = build_cp_layout(cu_seqlens, group_size(cp_group), group_rank(cp_group),
+                                     block_size, q.device, total_local=q.shape[0])
+            with torch.no_grad():
+                k = all_gather_first_dim(k, cp_group)[layout.gathered_to_global]
+                k_idx = all_gather_first_dim(k_idx, cp_group)[layout.gathered_to_global]
+            positions = (layout.q_pos, layout.q_kbase)
+            cu_seqlens = None
         sample = selection_recall(
-            q.detach(), k.detach(), q_idx.detach(), k_idx.detach(),
-            self.rows_for(q.shape[0], q.device), cu_seqlens, block_size=block_size,
+            q.detach(), k, q_idx.detach(), k_idx, rows, cu_seqlens, block_size=block_size,
             top_k=top_k, init_blocks=init_blocks, local_blocks=local_blocks,
-            softmax_scale=softmax_scale, index_scale=index_scale, backend=backend)
+            softmax_scale=softmax_scale, index_scale=index_scale, backend=backend,
+            positions=positions)
         self.samples[layer_number] = sample
         record_recall(layer_number, sample.recall)
         return sample
-
-
-_CP_WARNED = False
-
-
-def warn_probe_under_cp() -> None:
-    """Say once that the probe records nothing under context parallelism."""
-    global _CP_WARNED
-    if not _CP_WARNED:
-        warnings.warn("selection probe: context parallelism is not supported yet; "
-                      "msa/recall is not measured for context-parallel layers")
-        _CP_WARNED = True
 
 
 def arm_selection_probe(model: Union[torch.nn.Module, Iterable[torch.nn.Module]],

@@ -32,6 +32,7 @@ THD_LENGTHS = [40, 8, 72, 0, 72]
 REAL_LENGTHS = [37, 5, 72, 0, 66]
 # (format, exchange) of each SGD step: both formats in both modes.
 STEPS = [("sbhd", "allgather"), ("thd", "selective"), ("sbhd", "selective"), ("thd", "allgather")]
+PROBE_STEP = 1  # the selection probe measures recall in this step (THD, padded documents)
 LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
 KL_TOL = dict(rtol=1e-4, atol=1e-7)
 GRAD_TOL = dict(rtol=1e-4, atol=2e-6)
@@ -119,7 +120,7 @@ def _cp_worker(rank: int, world_size: int, tp: int, cp: int, recompute=None,
                groups: int = Setup().groups) -> dict:
     from megatron.core import parallel_state
 
-    from msa_megatron.megatron import MSACoreAttention, get_msa_metrics
+    from msa_megatron.megatron import MSACoreAttention, arm_selection_probe, get_msa_metrics
 
     _install_cp_rope_shim()
     setup = Setup(recompute=recompute, groups=groups)
@@ -128,7 +129,7 @@ def _cp_worker(rank: int, world_size: int, tp: int, cp: int, recompute=None,
     own_group = [dist.new_group([r]) for r in range(world_size)][rank]  # unreduced metrics
     counts = {"calls": 0}
     get_msa_metrics(reset=True)
-    record = {"loss": [], "kl": [], "grads": [], "bytes": [], "cp_bytes": [],
+    record = {"loss": [], "kl": [], "recall": [], "grads": [], "bytes": [], "cp_bytes": [],
               "selection_calls": [], "core_calls": []}
     cores = [m for m in model.modules() if isinstance(m, MSACoreAttention)]
     core_calls = [0]
@@ -145,6 +146,8 @@ def _cp_worker(rank: int, world_size: int, tp: int, cp: int, recompute=None,
         for core in cores:
             core.msa_config = msa
         tokens, positions, packed = _cp_batch(step, fmt, cp_group)
+        if step == PROBE_STEP:  # every local row: the mean over CP ranks is the global mean
+            arm_selection_probe(model, rows=torch.arange(tokens.numel()))
         model.zero_grad(set_to_none=True)
         core_calls[0] = 0
         with count_selections(setup.backend) as counts:
@@ -165,6 +168,8 @@ def _cp_worker(rank: int, world_size: int, tp: int, cp: int, recompute=None,
             for layer in range(1, len(cores) + 1)])
         metrics = get_msa_metrics(reset=True)
         record["kl"].append({k: v for k, v in metrics.items() if k.startswith("msa/kl")})
+        record["recall"].append({k: v for k, v in metrics.items()
+                                 if k.startswith("msa/recall")})
         record["cp_bytes"].append({k: v for k, v in metrics.items()
                                    if k.startswith("msa/cp_bytes")})
         record["grads"].append(full_grads(model))
@@ -250,7 +255,17 @@ def test_gpt_context_parallel_matches_single_rank(references, tp, cp, recompute,
                                            msg=f"grad of {name} {where}")
                 if "_idx" in name:
                     assert grad_ref.abs().max() > 0, f"{name} got no KL gradient"
-        assert record["selection_calls"] == [Setup().layers] * len(STEPS)
+        # Selection recall under CP: each rank's rows against the gathered prefixes. (With a
+        # shared index head, TP > Hkv, a rank's teacher has only its own query heads.)
+        recall, recall_ref = record["recall"][PROBE_STEP], reference["recall"][PROBE_STEP]
+        assert recall.keys() == recall_ref.keys() and "msa/recall" in recall_ref
+        if groups >= tp:
+            for key in recall_ref:
+                assert recall[key] == pytest.approx(recall_ref[key], rel=1e-4), key
+        assert all(not r for i, r in enumerate(record["recall"]) if i != PROBE_STEP)
+        # one selection per layer and step (plus the probe's own, for its rows)
+        assert record["selection_calls"] == [Setup().layers * (2 if i == PROBE_STEP else 1)
+                                             for i in range(len(STEPS))]
         runs_per_step = 2 if recompute else 1  # the core attention ran again in backward
         assert record["core_calls"] == [runs_per_step * Setup().layers] * len(STEPS)
     assert all(not metrics for metrics in reference["cp_bytes"])  # no CP, no CP bytes

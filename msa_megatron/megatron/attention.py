@@ -413,7 +413,8 @@ class MSACoreAttention(MegatronModule):
                       block_size=options.block_size, top_k=options.top_k,
                       init_blocks=options.init_blocks, local_blocks=options.local_blocks,
                       softmax_scale=options.softmax_scale, index_scale=options.index_scale,
-                      backend=options.backend, cp_group=self.groups.cp if cp_size > 1 else None)
+                      backend=options.backend, cp_group=self.groups.cp if cp_size > 1 else None,
+                      share_group=self.groups.tp_share)
 
 
 def _sbhd_to_thd(t: torch.Tensor) -> torch.Tensor:

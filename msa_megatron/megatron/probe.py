@@ -30,11 +30,13 @@ all-gather of K (``T_global * Hkv * D`` elements) and of the index keys.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, Iterable, Optional, Union
 
 import torch
 
 from ..diagnostics import SelectionSample, sample_rows, selection_recall
+from ..layout import query_layout
 from ..parallel.comm import all_gather_first_dim, group_rank, group_size
 from ..parallel.cp_layout import build_cp_layout
 from .metrics import record_recall
@@ -75,7 +77,7 @@ class SelectionProbe:
                 k_idx: torch.Tensor, cu_seqlens: Optional[torch.Tensor], *, block_size: int,
                 top_k: int, init_blocks: int, local_blocks: int,
                 softmax_scale: Optional[float], index_scale: Optional[float],
-                backend: Optional[str], cp_group=None) -> SelectionSample:
+                backend: Optional[str], cp_group=None, share_group=None) -> SelectionSample:
         """Measure one layer and record it.
 
         Args:
@@ -85,6 +87,9 @@ class SelectionProbe:
                 global boundaries of the un-split micro-batch (required then).
             block_size ... backend: the layer's selection and scales.
             cp_group: the context-parallel group (None / one rank: no CP).
+            share_group: the TP ranks sharing this rank's one index head (TP > Hkv), each with
+                some of its query heads: the sampled rows' q are all-gathered over it, so the
+                teacher is the mean over all of the index head's query heads.
 
         Returns:
             The :class:`~msa_megatron.diagnostics.SelectionSample` (rows are local rows).
@@ -106,11 +111,25 @@ class SelectionProbe:
                 k_idx = all_gather_first_dim(k_idx, cp_group)[layout.gathered_to_global]
             positions = (layout.q_pos, layout.q_kbase)
             cu_seqlens = None
+        q, q_idx = q.detach(), q_idx.detach()
+        if group_size(share_group) > 1:
+            if positions is None:
+                positions = query_layout(cu_seqlens, q.shape[0], q.device)
+                cu_seqlens = None
+            positions = tuple(t[rows] for t in positions)
+            with torch.no_grad():  # [R, h, D] of every sharing rank -> [R, share * h, D]
+                heads = all_gather_first_dim(q[rows].transpose(0, 1).contiguous(), share_group)
+            q, q_idx = heads.transpose(0, 1), q_idx[rows]
+            local_rows, rows = rows, torch.arange(rows.numel(), device=q.device)
+        else:
+            local_rows = None
         sample = selection_recall(
-            q.detach(), k, q_idx.detach(), k_idx, rows, cu_seqlens, block_size=block_size,
+            q, k, q_idx, k_idx, rows, cu_seqlens, block_size=block_size,
             top_k=top_k, init_blocks=init_blocks, local_blocks=local_blocks,
             softmax_scale=softmax_scale, index_scale=index_scale, backend=backend,
             positions=positions)
+        if local_rows is not None:
+            sample = dataclasses.replace(sample, rows=local_rows)
         self.samples[layer_number] = sample
         record_recall(layer_number, sample.recall)
         return sample

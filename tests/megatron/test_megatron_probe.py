@@ -11,10 +11,10 @@ from tests.support.gpt_harness import Setup, batch, build_model
 pytestmark = pytest.mark.slow
 
 
-def _probe_worker(rank: int, world_size: int, tp: int, mode: str) -> dict:
+def _probe_worker(rank: int, world_size: int, tp: int, mode: str, groups: int = 2) -> dict:
     from msa_megatron.megatron import arm_selection_probe, get_msa_metrics, set_msa_mode
 
-    setup = Setup(heads=8, groups=2, index_heads=2)
+    setup = Setup(heads=8, groups=groups, index_heads=groups)
     model = build_model(setup, tp)
     set_msa_mode(model, mode)
     tokens, positions, packed = batch(0, "thd")
@@ -47,3 +47,18 @@ def test_probe_reports_recall_equal_over_tp(mode):
         sel_tp = torch.cat([r["samples"][layer][1] for r in two], dim=1)
         assert torch.equal(sel_tp, block_idx)
         torch.testing.assert_close(recall_tp, recall, rtol=1e-4, atol=1e-5)
+
+
+def test_probe_with_a_shared_index_head():
+    """TP=2 > Hkv=1: both ranks hold the one index head, each with half its query heads; the
+    sampled rows' q are gathered over them, so every rank's samples are the TP=1 ones (the
+    teacher is the mean over all the index head's query heads, not over the rank's own)."""
+    one = run_distributed(_probe_worker, 1, args=(1, "sparse", 1), tp=1)[0]
+    two = run_distributed(_probe_worker, 2, args=(2, "sparse", 1), tp=2)
+    for result in two:
+        assert result["armed"]["msa/recall"] == pytest.approx(one["armed"]["msa/recall"],
+                                                              rel=1e-4, abs=1e-5)
+        for layer, (recall, block_idx) in one["samples"].items():
+            assert torch.equal(result["samples"][layer][1], block_idx)
+            torch.testing.assert_close(result["samples"][layer][0], recall, rtol=1e-4,
+                                       atol=1e-5)

@@ -127,6 +127,13 @@ def test_train_stop_resume_across_the_switch(env, tmp_path):
     assert "MSA attention mode: dense (iteration 3)" in resumed  # iteration 3 of 4: warmup 3
     assert "MSA attention mode: sparse (iteration 4)" in resumed
     assert "msa kl layer_02" in resumed and "msa blocks" in resumed
+    # the MSA metrics line of each logged iteration (LOG_INTERVAL=1): recall measured on it,
+    # throughput with the MSA layers counted sparse; no MSA keys in Megatron's own line
+    msa_lines = re.findall(r"^msa-megatron \| iteration +(\d+) \|(.*)$", resumed, re.MULTILINE)
+    assert [int(i) for i, _ in msa_lines] == [3, 4], msa_lines
+    assert all("msa recall layer_02: " in line and "MSA counted sparse (TFLOP/s/GPU)" in line
+               for _, line in msa_lines), msa_lines
+    assert not re.search(r"iteration +\d+/.*msa kl", resumed)
     losses, reference = {**_losses(first), **_losses(resumed)}, _losses(straight)
     assert sorted(losses) == [1, 2, 3, 4]
     # The first resumed iteration continues the run exactly. (Megatron's log after the first

@@ -13,6 +13,9 @@ Three modules, plugged in through megatron-core's ``ModuleSpec`` (see :mod:`.spe
   (:func:`msa_megatron.core.msa_layer`), attaches the KL to the output (:mod:`.loss`) and
   records the metrics (:mod:`.metrics`).
 
+Sequence parallelism: the hidden states are all-gathered once for the main QKV projection and
+both index projections (:mod:`.sequence_parallel`).
+
 Parallel layouts (MSA_SPEC section 6; the composer runs the exchanges):
 
 - ``Hi % TP == 0``: a rank owns whole index heads; everything is local.

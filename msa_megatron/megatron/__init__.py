@@ -3,8 +3,9 @@
 Entry points: :func:`get_gpt_layer_msa_spec` (or ``--spec msa_megatron.megatron.spec
 gpt_layer_msa_spec`` in Megatron-LM), :func:`set_msa_mode` / :func:`apply_msa_warmup`,
 :func:`set_kl_loss_scale` with :func:`schedule_loss_scale` (megatron-core 0.16; 0.19's schedule
-sets it) and
-:func:`get_msa_metrics`.
+sets it), :func:`get_msa_metrics`, and :func:`reduce_index_grads_over_tp` for training loops
+without megatron-core's ``finalize_model_grads`` (which sums the replicated index parameters'
+gradients over TP itself).
 """
 
 from .attention import (

@@ -48,9 +48,9 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.enums import ModelType
 from megatron.core.utils import get_attr_wrapped_model, get_batch_on_this_cp_rank, get_model_config
 from megatron.training import get_args, get_tokenizer, pretrain, print_rank_0
-from megatron.training.utils import print_rank_last
 from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
-from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
+from megatron.training.utils import (get_blend_and_blend_per_split,
+                                     is_first_or_last_pipeline_stage, print_rank_last)
 
 from msa_gpt_setup import (MSAMetricsLog, adapt_to_installed_kernels, add_msa_args,
                            attended_block_fraction, fit_lr_schedule, installed_kernels,

@@ -167,8 +167,8 @@ class IndexKeyLinear(torch.nn.Module):
     ``i // (Hi/Hik)``), a TP-sharded parameter (partition dim 0) with per-rank gradients.
     Otherwise replicated on every TP rank; each rank's gradient of ``W`` is partial and summed
     over TP once per step by megatron-core's ``finalize_model_grads``
-    (:func:`mark_tp_partial_grad`). Initialised as the full ``[Hik*Di, hidden]`` matrix on every rank, then sliced: the
-    weights are the same for every TP size. Checkpointed as one global tensor in both layouts
+    (:func:`mark_tp_partial_grad`). Initialised as the full ``[Hik*Di, hidden]`` matrix on every
+    rank, then sliced: the weights are the same for every TP size. Checkpointed as one global tensor in both layouts
     (:meth:`sharded_state_dict`), so checkpoints reshard between them.
 
     Attributes:

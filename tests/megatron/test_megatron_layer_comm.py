@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import msa_megatron.megatron  # noqa: F401
-from tests.dist_utils import cuda_device_as_cpu, run_distributed
+from tests.dist_utils import cuda_device_as_cpu, run_distributed, selected_device
 from tests.support.gpt_harness import (
     Setup,
     batch,
@@ -86,7 +86,8 @@ def _build_attention(tp: int, sequence_parallel: bool):
     torch.manual_seed(7)
     msa = MSAConfig(block_size=16, top_k=2, index_head_dim=16, backend="torch")
     spec = get_gpt_layer_msa_spec(msa, use_te=False, normalization="RMSNorm")
-    return build_module(spec.submodules.self_attention, config=config, layer_number=1)
+    layer = build_module(spec.submodules.self_attention, config=config, layer_number=1)
+    return layer.to(selected_device())
 
 
 def _sp_worker(rank: int, world_size: int, shared_gather: bool) -> dict:
@@ -99,8 +100,8 @@ def _sp_worker(rank: int, world_size: int, shared_gather: bool) -> dict:
         attention.can_run_local = lambda linear: False
     layer = _build_attention(world_size, sp)
     gen = torch.Generator().manual_seed(3)
-    hidden = torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
-    weights = torch.randn(SEQ, BATCH, HIDDEN, generator=gen)
+    hidden = torch.randn(SEQ, BATCH, HIDDEN, generator=gen).to(selected_device())
+    weights = torch.randn(SEQ, BATCH, HIDDEN, generator=gen).to(selected_device())
     rows = slice(rank * SEQ // world_size, (rank + 1) * SEQ // world_size) if sp else slice(None)
     x = hidden[rows].clone().requires_grad_(True)
     with cuda_device_as_cpu():

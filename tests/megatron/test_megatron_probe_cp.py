@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from msa_megatron.parallel.cp_layout import build_cp_layout, split_for_cp_rank
-from tests.dist_utils import run_distributed
+from tests.dist_utils import run_distributed, selected_device
 
 pytestmark = pytest.mark.slow
 
@@ -32,12 +32,12 @@ def _inputs():
 def _probe_worker(rank: int, world_size: int) -> dict:
     from msa_megatron.megatron import SelectionProbe, get_msa_metrics
 
-    cu, q, k, q_idx, k_idx = _inputs()
+    cu, q, k, q_idx, k_idx = (t.to(selected_device()) for t in _inputs())
     group = dist.group.WORLD if world_size > 1 else None
     if world_size > 1:
         q, k, q_idx, k_idx = (split_for_cp_rank(t, cu, world_size, rank)
                               for t in (q, k, q_idx, k_idx))
-    probe = SelectionProbe(rows=torch.arange(q.shape[0]))
+    probe = SelectionProbe(rows=torch.arange(q.shape[0], device=q.device))
     sample = probe.observe(1, q, k, q_idx, k_idx, cu, cp_group=group, **OPTIONS)
     global_rows = build_cp_layout(cu, world_size, rank, 16, q.device).local_rows
     return {"recall": sample.recall, "block_idx": sample.block_idx, "q_pos": sample.q_pos,

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed, selected_device
-from tests.support.gpt_harness import VOCAB, Setup, build_model, full_grads, tolerance
+from tests.support.gpt_harness import (VOCAB, Setup, build_model, full_grads, sum_qk_norm_grads,
+                                      tolerance)
 
 pytestmark = pytest.mark.slow
 
@@ -43,6 +44,7 @@ def _run(model, tokens: torch.Tensor, packed) -> dict:
     losses = model(tokens.view(1, -1).to(device), positions.view(1, -1).to(device), None,
                    labels=tokens.view(1, -1).to(device), packed_seq_params=packed)
     losses.sum().backward()
+    sum_qk_norm_grads(model)  # megatron's finalize step: replicated index grads summed over TP
     metrics = get_msa_metrics(reset=True)
     grads = {n: g for n, g in full_grads(model).items() if "_idx" in n}
     return {"losses": losses.detach().view(-1).cpu(), "kl": metrics, "grads": grads}

@@ -172,15 +172,23 @@ def take_retrieval_windows(files: Sequence[Path], args: argparse.Namespace, coun
                            seed: int, mixed: bool = False) -> List[Window]:
     """``count`` windows of retrieval sequences (filler from ``files``), the same on every rank:
     ``--seq-len / --task-len`` sequences of ``--task-len`` tokens each, or with ``mixed`` and
-    ``--task-len-min``, sequences of mixed lengths up to ``--task-len``."""
+    ``--task-len-min``, sequences of mixed lengths up to ``--task-len``; with
+    ``--task-curriculum N`` too, the longest length of window ``i`` (training step
+    ``i // data-parallel size``) grows from ``--task-len-min`` to ``--task-len`` over N steps
+    (:func:`retrieval_task.curriculum_length`)."""
     spec = retrieval_task.spec_from_args(args)
     rng = random.Random(seed)
     filler = retrieval_task.filler_stream(iter_documents(files))
     shortest = args.task_len_min if mixed and args.task_len_min else spec.length
+    curriculum = getattr(args, "task_curriculum", 0) if shortest < spec.length else 0
+    per_step = max(1, count // max(args.steps, 1)) if mixed else 1
     windows = []
-    for _ in range(count):
+    for i in range(count):
+        longest = (retrieval_task.curriculum_length(i // per_step, curriculum, shortest,
+                                                    spec.length, PAD_MULTIPLE)
+                   if curriculum else spec.length)
         lengths = ([spec.length] * (args.seq_len // spec.length) if shortest == spec.length else
-                   retrieval_task.mixed_lengths(args.seq_len, shortest, spec.length,
+                   retrieval_task.mixed_lengths(args.seq_len, shortest, longest,
                                                 PAD_MULTIPLE, rng))
         parts = [retrieval_task.make_sequence(retrieval_task.scaled(spec, n), filler, rng)
                  for n in lengths]
@@ -210,6 +218,8 @@ class Batch:
     num_tokens_global: float  # summed loss weights of the whole window (all CP ranks)
     attended_fraction: float  # attended key blocks / causal key blocks at top_k (whole window)
     rows: torch.Tensor  # [S / CP] window rows this rank holds, in local order
+    answer_mask: Optional[torch.Tensor] = None  # [1, S / CP] bool: the label is an answer token
+    answers_global: int = 0  # answer tokens in the whole window (all CP ranks)
 
 
 def attended_block_fraction(seq_lens: Sequence[int], block_size: int, top_k: int) -> float:
@@ -257,8 +267,10 @@ def make_batch(window: Window, cp_group: Optional[dist.ProcessGroup], block_size
         loss_mask[start:start + real - 1] = 1.0
         positions[start:start + length] = torch.arange(length)
         start += length
+    answer_mask = torch.zeros(tokens.shape, dtype=torch.bool)
     if window.answers is not None:
         loss_mask[window.answers.rows] = answer_weight
+        answer_mask[window.answers.rows] = True
     cu_seqlens = torch.zeros(len(window.seq_lens) + 1, dtype=torch.int32)
     cu_seqlens[1:] = torch.cumsum(torch.tensor(window.seq_lens), 0)
     cp_size = 1 if cp_group is None else cp_group.size()
@@ -277,6 +289,8 @@ def make_batch(window: Window, cp_group: Optional[dist.ProcessGroup], block_size
         num_tokens_global=float(loss_mask.sum()),
         attended_fraction=attended_block_fraction(window.seq_lens, block_size, top_k),
         rows=rows,
+        answer_mask=answer_mask[rows][None].to(device),
+        answers_global=int(answer_mask.sum()),
     )
 
 
@@ -358,6 +372,7 @@ class History:
     kl: List[float] = field(default_factory=list)
     kl_per_layer: List[List[float]] = field(default_factory=list)
     attended_fraction: List[float] = field(default_factory=list)
+    answer_loss: List[float] = field(default_factory=list)  # retrieval: mean over answer tokens
     mode: List[str] = field(default_factory=list)
     tokens_per_s: List[float] = field(default_factory=list)
     held_out_loss: Optional[float] = None
@@ -419,12 +434,22 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float, tp_group: dist.Proce
     return norm
 
 
-def lm_loss(model: GPTModel, batch: Batch, autocast: bool) -> torch.Tensor:
-    """This rank's share of the window's mean next-byte loss: ``sum(local losses) / N_global``."""
+def lm_loss(model: GPTModel, batch: Batch, autocast: bool, answers: bool = False):
+    """This rank's share of the window's mean next-byte loss: ``sum(local losses) / N_global``.
+
+    With ``answers``, returns ``(loss, answer_share)``: the second is this rank's share of the
+    mean (unweighted, detached) loss over the window's answer tokens (0.0 without answers)."""
     with torch.autocast(batch.input_ids.device.type, dtype=torch.bfloat16, enabled=autocast):
         per_token = model(batch.input_ids, batch.position_ids, None, labels=batch.labels,
                           packed_seq_params=batch.packed_seq_params)
-    return (per_token.float() * batch.loss_mask).sum() / max(batch.num_tokens_global, 1)
+    loss = (per_token.float() * batch.loss_mask).sum() / max(batch.num_tokens_global, 1)
+    if not answers:
+        return loss
+    answer_share = 0.0
+    if batch.answer_mask is not None and batch.answers_global:
+        answer_share = float(per_token.detach().float()[batch.answer_mask].sum()) \
+            / batch.answers_global
+    return loss, answer_share
 
 
 VARIANTS = {
@@ -566,15 +591,15 @@ def train_steps(history: History, model: GPTModel, optimizer: torch.optim.Optimi
         probe = arm_probe(model, window, batch, args, step) if probing and probe_due(step, args) \
             else None
         optimizer.zero_grad(set_to_none=True)
-        loss = lm_loss(model, batch, autocast)
+        loss, answer_share = lm_loss(model, batch, autocast, answers=True)
         loss.backward()
         reduce_index_grads_over_tp(model, tp_group)  # replicated index weights: partial grads
         all_reduce_gradients(model, dp_cp_group)
         clip_grad_norm(model, args.clip_grad, tp_group)
         optimizer.step()
 
-        logged = torch.tensor([loss.item(), batch.attended_fraction if mode == "sparse" else 1.0],
-                              dtype=torch.float64, device=device)
+        logged = torch.tensor([loss.item(), batch.attended_fraction if mode == "sparse" else 1.0,
+                               answer_share], dtype=torch.float64, device=device)
         dist.all_reduce(logged, group=dp_cp_group)  # loss: sum of shares; fraction: mean below
         kl_per_layer = layer_kls(get_msa_metrics())  # collective: every rank calls it
         probed = summarize_probe(probe[0], probe[1], window, args.block_size, device) \
@@ -589,6 +614,8 @@ def train_steps(history: History, model: GPTModel, optimizer: torch.optim.Optimi
             history.steps.append(step + 1)
             history.loss.append(float(logged[0]) / dp_size)
             history.attended_fraction.append(float(logged[1]) / dist.get_world_size(dp_cp_group))
+            if window.answers is not None:
+                history.answer_loss.append(float(logged[2]) / dp_size)
             history.kl_per_layer.append(kl_per_layer)
             history.kl.append(sum(kl_per_layer) / len(kl_per_layer))
             history.mode.append(mode)
@@ -609,6 +636,9 @@ def train_steps(history: History, model: GPTModel, optimizer: torch.optim.Optimi
                     if window.answers is not None:
                         extra += (f" (answers {mean(history.recall_answer_per_layer[-1]):.3f},"
                                   f" record block chosen {mean(history.key_hit_per_layer[-1]):.2f})")
+                if history.answer_loss:
+                    recent = history.answer_loss[-args.log_interval:]
+                    extra = f"  answer loss {mean(recent):.3f} (mean of {len(recent)})" + extra
                 print(f"[{name}] step {step + 1:4d}/{args.steps} {mode:6s} "
                       f"loss {history.loss[-1]:.4f}  kl {history.kl[-1]:.4f} "
                       f"(layers {' '.join(f'{v:.3f}' for v in kl_per_layer)})  "
@@ -915,6 +945,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                 and args.task_len_min % PAD_MULTIPLE == 0):
             p.error(f"--task-len-min must be a multiple of {PAD_MULTIPLE} in "
                     f"[{PAD_MULTIPLE}, --task-len]")
+        if args.task_curriculum < 0 or (args.task_curriculum and args.task_len_min is None):
+            p.error(f"--task-curriculum ({args.task_curriculum}) must be >= 0 and needs "
+                    "--task-len-min")
         try:
             spec = retrieval_task.spec_from_args(args)
             spec.check()

@@ -140,6 +140,21 @@ def mixed_lengths(total: int, shortest: int, longest: int, multiple: int,
     return lengths
 
 
+def curriculum_length(step: int, steps: int, shortest: int, longest: int, multiple: int) -> int:
+    """The longest training sequence at ``step`` of a length curriculum of ``steps`` steps:
+    geometric growth from ``shortest`` (step 0) to ``longest`` (step ``steps`` and after),
+    rounded down to a multiple of ``multiple`` and never below ``shortest``.
+
+    Raises ValueError when ``steps`` < 1 or ``shortest`` > ``longest``."""
+    if steps < 1:
+        raise ValueError(f"curriculum steps must be >= 1, got {steps}")
+    if not 0 < shortest <= longest:
+        raise ValueError(f"need 0 < shortest ({shortest}) <= longest ({longest})")
+    progress = min(max(step, 0) / steps, 1.0)
+    length = shortest * (longest / shortest) ** progress
+    return max(shortest, min(longest, int(length + 1e-6) // multiple * multiple))
+
+
 def sequences(spec: RetrievalSpec, documents: Iterator[bytes], seed: int) -> Iterator[RetrievalSequence]:
     """An endless, seeded stream of sequences over the filler ``documents``."""
     spec.check()
@@ -160,6 +175,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "--task-len (records, questions and distance in proportion), which "
                             "teaches retrieval in far fewer steps; evaluation always uses "
                             "--task-len (default: --task-len only)")
+    group.add_argument("--task-curriculum", type=int, default=0,
+                       help="with --task-len-min: the longest training sequence grows "
+                            "geometrically from --task-len-min to --task-len over this many "
+                            "steps (0: mixed lengths up to --task-len from the start)")
     group.add_argument("--pairs", type=int, default=64, help="key -> value records per sequence")
     group.add_argument("--queries", type=int, default=32, help="questions per sequence")
     group.add_argument("--key-vocab", type=int, default=256, help="distinct key tokens")

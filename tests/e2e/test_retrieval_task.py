@@ -106,3 +106,60 @@ def test_scaled_short_sequences_keep_many_questions():
         assert short.queries >= min(length // 16, spec.queries)
         assert short.min_distance == round(spec.min_distance * length / spec.length)
     assert retrieval_task.scaled(spec, 8192) == spec
+
+
+def test_curriculum_length_grows_from_shortest_to_longest():
+    lengths = [retrieval_task.curriculum_length(s, 100, 256, 8192, 16) for s in range(0, 131, 10)]
+    assert lengths[0] == 256 and lengths[10:] == [8192] * 4
+    assert all(a <= b for a, b in zip(lengths, lengths[1:])) and len(set(lengths)) > 8
+    assert all(n % 16 == 0 for n in lengths)
+    assert retrieval_task.curriculum_length(50, 100, 256, 8192, 16) == 1440  # sqrt(256 * 8192)
+    with pytest.raises(ValueError, match="curriculum steps"):
+        retrieval_task.curriculum_length(0, 0, 256, 8192, 16)
+    with pytest.raises(ValueError, match="shortest"):
+        retrieval_task.curriculum_length(0, 10, 512, 256, 16)
+
+
+def _load_example():
+    import importlib.util
+
+    path = REPO / "examples" / "pretrain_tiny.py"
+    spec = importlib.util.spec_from_file_location("pretrain_tiny_retrieval_test", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(spec.name, None)
+        raise
+    return module
+
+
+def test_example_windows_follow_the_length_curriculum():
+    tiny = _load_example()
+    try:
+        argv = ["--device", "cpu", "--task", "retrieval", "--steps", "40", "--seq-len", "4096",
+                "--task-len", "2048", "--task-len-min", "128", "--task-curriculum", "20",
+                "--pairs", "64", "--queries", "32", "--min-distance", "256",
+                "--key-vocab", "128", "--block-size", "32"]
+        args = tiny.parse_args(argv)
+        files = tiny.split_files(tiny.stdlib_files(), args.seed)["train"][:50]
+        windows = tiny.take_retrieval_windows(files, args, 40, seed=3, mixed=True)
+        for step, window in enumerate(windows):
+            limit = retrieval_task.curriculum_length(step, 20, 128, 2048, 16)
+            assert sum(window.seq_lens) == 4096
+            assert max(window.seq_lens[:-1] or [0]) <= limit  # the last one takes what is left
+            assert len(window.answers.first_rows) == len(window.answers.record_blocks)
+        assert max(windows[0].seq_lens[:-1]) == 128  # step 0: the shortest length only
+        assert max(max(w.seq_lens[:-1]) for w in windows[20:]) > 1024  # full range later
+        plain = tiny.take_retrieval_windows(
+            files, tiny.parse_args([a for a in argv if a not in ("--task-curriculum", "20")]),
+            40, seed=3, mixed=True)
+        assert max(max(w.seq_lens[:-1]) for w in plain[:5]) > 256  # no curriculum: all lengths
+        with pytest.raises(SystemExit):  # negative
+            tiny.parse_args(argv + ["--task-curriculum", "-1"])
+        no_min = argv[:argv.index("--task-len-min")] + argv[argv.index("--task-len-min") + 2:]
+        with pytest.raises(SystemExit):  # a curriculum needs a shortest length
+            tiny.parse_args(no_min)
+    finally:
+        sys.modules.pop("pretrain_tiny_retrieval_test", None)

@@ -352,6 +352,7 @@ def build_model(args: argparse.Namespace, device: torch.device) -> GPTModel:
         vocab_size=args.vocab_size,
         max_sequence_length=args.seq_len,
         position_embedding_type="rope",
+        rotary_base=args.rotary_base,
         share_embeddings_and_output_weights=False,
     )
     if device.type == "cpu":
@@ -879,6 +880,9 @@ def build_parser() -> argparse.ArgumentParser:
     # The other MSAConfig fields (--kl-coeff, --init-blocks, ...); the three above are kept.
     add_msa_arguments(p, prefix="", warmup=False,
                       defaults=MSAConfig(block_size=64, top_k=8, index_head_dim=64))
+    p.add_argument("--rotary-base", type=int, default=10000,
+                   help="RoPE base; long-range retrieval at 8K-32K tokens wants a larger one "
+                        "(1000000), so that low-frequency dims still match keys far away")
     p.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate")
     size("--lr-warmup", int, "linear learning-rate warmup steps")
     p.add_argument("--clip-grad", type=float, default=1.0, help="global gradient-norm clip")

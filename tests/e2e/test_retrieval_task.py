@@ -71,7 +71,8 @@ def test_example_runs_retrieval_task_on_cpu(tmp_path):
            "--ffn-hidden", "128", "--heads", "2", "--query-groups", "2", "--block-size", "16",
            "--top-k", "3", "--index-head-dim", "32", "--pairs", "8", "--queries", "4",
            "--min-distance", "64", "--eval-windows", "1", "--eval-interval", "2",
-           "--log-interval", "1", "--probe-rows", "16", "--out-dir", str(tmp_path)]
+           "--log-interval", "1", "--probe-rows", "16", "--task-len-min", "64",
+           "--task-curriculum", "2", "--rotary-base", "500000", "--out-dir", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     record = json.loads((tmp_path / "metrics.json").read_text())
@@ -86,6 +87,8 @@ def test_example_runs_retrieval_task_on_cpu(tmp_path):
             "layer_01", "layer_02"}
         assert run["probe_steps"] == [1, 2, 3, 4] and run["eval_steps"] == [2, 4]
         assert all(len(v) == 2 for v in run["key_hit_per_layer"])
+        assert len(run["answer_loss"]) == 4 and all(0 < v < 20 for v in run["answer_loss"])
+    assert record["args"]["rotary_base"] == 500000 and "answer loss" in proc.stdout
     assert "| msa |" in proc.stdout and "exact match" in proc.stdout
 
 

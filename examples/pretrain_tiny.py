@@ -190,8 +190,9 @@ def take_retrieval_windows(files: Sequence[Path], args: argparse.Namespace, coun
         lengths = ([spec.length] * (args.seq_len // spec.length) if shortest == spec.length else
                    retrieval_task.mixed_lengths(args.seq_len, shortest, longest,
                                                 PAD_MULTIPLE, rng))
-        parts = [retrieval_task.make_sequence(retrieval_task.scaled(spec, n), filler, rng)
-                 for n in lengths]
+        parts = [retrieval_task.make_sequence(
+            retrieval_task.scaled(spec, n, getattr(args, "task_question_every", 16)), filler,
+            rng) for n in lengths]
         answers = Answers([], [], [], [])
         offset = 0
         for length, part in zip(lengths, parts):
@@ -949,6 +950,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                 and args.task_len_min % PAD_MULTIPLE == 0):
             p.error(f"--task-len-min must be a multiple of {PAD_MULTIPLE} in "
                     f"[{PAD_MULTIPLE}, --task-len]")
+        if args.task_question_every < 1:
+            p.error(f"--task-question-every ({args.task_question_every}) must be >= 1")
         if args.task_curriculum < 0 or (args.task_curriculum and args.task_len_min is None):
             p.error(f"--task-curriculum ({args.task_curriculum}) must be >= 0 and needs "
                     "--task-len-min")

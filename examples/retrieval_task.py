@@ -19,6 +19,7 @@ answer tokens only. Everything is generated from a seed, with no download.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import random
 from dataclasses import dataclass
@@ -89,7 +90,9 @@ def make_sequence(spec: RetrievalSpec, filler: Iterator[int], rng: random.Random
     value_base = BYTE_VOCAB + spec.key_vocab
     values = [[value_base + rng.randrange(spec.value_vocab) for _ in range(spec.value_len)]
               for _ in keys]
-    tokens = [next(filler) for _ in range(spec.length)]
+    tokens = list(itertools.islice(filler, spec.length))
+    if len(tokens) < spec.length:
+        raise ValueError(f"the filler ran out after {len(tokens)} of {spec.length} tokens")
     rl = spec.record_len
     # Questions fill the end; records go at distinct, non-overlapping random slots before
     # ``limit``, so every question is at least min_distance tokens after its record.
@@ -111,12 +114,15 @@ def make_sequence(spec: RetrievalSpec, filler: Iterator[int], rng: random.Random
                              spans)
 
 
-def scaled(spec: RetrievalSpec, length: int) -> RetrievalSpec:
+def scaled(spec: RetrievalSpec, length: int, question_every: int = 16) -> RetrievalSpec:
     """The task at a shorter ``length``: distance in proportion, records and questions in
-    proportion too but at least one question per 16 tokens (up to ``spec.queries``), so that
-    short sequences, where attention starts less diluted, carry many answers."""
+    proportion too but at least one question per ``question_every`` tokens (up to
+    ``spec.queries``), so that short sequences, where attention starts less diluted, carry many
+    answers. Raises ValueError when the result cannot fit (``RetrievalSpec.check``)."""
+    if question_every < 1:
+        raise ValueError(f"question_every must be >= 1, got {question_every}")
     ratio = length / spec.length
-    queries = max(1, round(spec.queries * ratio), min(length // 16, spec.queries))
+    queries = max(1, round(spec.queries * ratio), min(length // question_every, spec.queries))
     short = RetrievalSpec(length=length, pairs=max(queries, round(spec.pairs * ratio)),
                           queries=queries, min_distance=round(spec.min_distance * ratio),
                           key_vocab=spec.key_vocab, value_vocab=spec.value_vocab,
@@ -179,6 +185,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="with --task-len-min: the longest training sequence grows "
                             "geometrically from --task-len-min to --task-len over this many "
                             "steps (0: mixed lengths up to --task-len from the start)")
+    group.add_argument("--task-question-every", type=int, default=16,
+                       help="mixed-length training: a sequence shorter than --task-len asks at "
+                            "least one question per this many tokens (up to --queries)")
     group.add_argument("--pairs", type=int, default=64, help="key -> value records per sequence")
     group.add_argument("--queries", type=int, default=32, help="questions per sequence")
     group.add_argument("--key-vocab", type=int, default=256, help="distinct key tokens")

@@ -166,3 +166,15 @@ def test_example_windows_follow_the_length_curriculum():
             tiny.parse_args(no_min)
     finally:
         sys.modules.pop("pretrain_tiny_retrieval_test", None)
+
+
+def test_scaled_question_density_is_a_parameter():
+    spec = retrieval_task.RetrievalSpec(length=8192, pairs=128, queries=128, min_distance=1024,
+                                        key_vocab=128, value_vocab=32)
+    assert retrieval_task.scaled(spec, 256).queries == 16  # default: one per 16 tokens
+    dense = retrieval_task.scaled(spec, 256, question_every=8)
+    assert dense.queries == 32 and dense.pairs >= 32
+    dense.check()
+    assert retrieval_task.scaled(spec, 4096, question_every=8).queries == 128  # capped
+    with pytest.raises(ValueError, match="question_every"):
+        retrieval_task.scaled(spec, 256, question_every=0)

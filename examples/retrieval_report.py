@@ -116,6 +116,13 @@ def main(argv=None) -> int:
         "retrieval", "held_out_loss", "eval_steps", "eval_exact_match", "probe_steps",
         "recall_per_layer", "recall_answer_per_layer", "key_hit_per_layer", "seconds",
         "args")} for name, run in runs.items()}
+    for name, run in runs.items():  # training answer loss, mean per 10 steps; step time
+        losses, steps = run.get("answer_loss") or [], run.get("steps") or []
+        summary[name]["answer_loss_steps"] = steps[9::10]
+        summary[name]["answer_loss"] = [sum(losses[i:i + 10]) / len(losses[i:i + 10])
+                                        for i in range(0, len(losses) - 9, 10)]
+        speeds = run.get("tokens_per_s") or []
+        summary[name]["median_tokens_per_s"] = statistics.median(speeds) if speeds else None
     (args.directory / "retrieval.json").write_text(json.dumps(summary, indent=1))
     text = table(runs)
     (args.directory / "retrieval.md").write_text(text + "\n")

@@ -14,9 +14,12 @@
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 . benchmarks/gpu_env.sh
 C="--task-len-min 256 --task-question-every 8 --rotary-base 1000000 --value-vocab 32 --lr 3e-3 --lr-warmup 50 --answer-weight 32 --eval-interval 100 --probe-interval 200 --log-interval 50 --eval-windows 2"
-CUDA_VISIBLE_DEVICES=0 LEN=65536 STEPS=1140 WARMUP=900 TOPK=8 OUT=runs/r8k timeout 500 bash examples/run_retrieval.sh $C --task-len 8192 --task-curriculum 600 --pairs 128 --queries 128 --min-distance 1024 --key-vocab 128 > r8k.out 2>&1 &
-CUDA_VISIBLE_DEVICES=1 LEN=65536 STEPS=940 WARMUP=700 TOPK=16 OUT=runs/r32k timeout 500 bash examples/run_retrieval.sh $C --task-len 32768 --task-curriculum 450 --pairs 256 --queries 256 --min-distance 4096 --key-vocab 256 > r32k.out 2>&1 &
+# LANES picks the runs (default both); GPU_R8K / GPU_R32K the device of each.
+LANES=${LANES:-r8k r32k}
+lane() { [[ " $LANES " == *" $1 "* ]]; }
+lane r8k && CUDA_VISIBLE_DEVICES=${GPU_R8K:-0} LEN=65536 STEPS=1140 WARMUP=900 TOPK=8 OUT=runs/r8k timeout 500 bash examples/run_retrieval.sh $C --task-len 8192 --task-curriculum 600 --pairs 128 --queries 128 --min-distance 1024 --key-vocab 128 > r8k.out 2>&1 &
+lane r32k && CUDA_VISIBLE_DEVICES=${GPU_R32K:-1} LEN=65536 STEPS=940 WARMUP=700 TOPK=16 OUT=runs/r32k timeout 500 bash examples/run_retrieval.sh $C --task-len 32768 --task-curriculum 450 --pairs 256 --queries 256 --min-distance 4096 --key-vocab 256 > r32k.out 2>&1 &
 wait
-for d in r8k r32k; do echo "=== $d"; grep -h "exact match\|held-out\|answer loss" runs/$d/variants.log | grep -v Warn | tail -40; tail -8 $d.out; done
-python3 examples/retrieval_report.py runs/r8k; python3 examples/retrieval_report.py runs/r32k
-tar czf $OUT/r19.tgz runs/r8k runs/r32k r8k.out r32k.out
+for d in $LANES; do echo "=== $d"; grep -h "exact match\|held-out\|answer loss" runs/$d/variants.log | grep -v Warn | tail -40; tail -8 $d.out; done
+for d in $LANES; do python3 examples/retrieval_report.py runs/$d; done
+tar czf $OUT/r19.tgz $(for d in $LANES; do echo runs/$d $d.out; done)

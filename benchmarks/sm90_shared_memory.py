@@ -14,6 +14,11 @@ two steps::
     pip install --target /tmp/t36 triton==3.6.0
     PYTHONPATH=/tmp/t36:$PWD python benchmarks/sm90_shared_memory.py compile /tmp/launches.pkl
 
+Inputs: paper heads in bf16 and fp32, the peer heads in bf16, the tp-shard heads in fp16 (tile
+sizes depend on the element size, :func:`msa_megatron.ops.triton._common.tile_rows`). ``UPCAST``
+is recorded as the GPU sets it (False: only the interpreter upcasts bf16 products), so bf16 is
+compiled as it runs on the H200.
+
 Exit status 1 when a kernel fails to compile or needs more than the limit.
 """
 
@@ -67,6 +72,8 @@ def record_launches():
                 signature[name] = "fp32"
             else:
                 raise TypeError(f"{fn.__name__}: argument {name} of type {type(value)}")
+        if "UPCAST" in constants:  # dot_flags() on the GPU: never upcast
+            constants["UPCAST"] = False
         key = (fn.__module__, fn.__name__, tuple(sorted(map(str, constants.items()))))
         launches[key] = (fn.__module__, fn.__name__, signature, constants,
                          kwargs.get("num_warps", 4))
@@ -77,6 +84,7 @@ def record_launches():
         from msa_megatron import msa_attention
 
         for hq, hkv, hi, dtype, lengths in ((64, 4, 4, torch.bfloat16, [300]),
+                                            (64, 4, 4, torch.float32, [300]),
                                             (16, 2, 4, torch.bfloat16, [200, 60]),
                                             (16, 1, 1, torch.float16, [260])):
             T = sum(lengths)
@@ -93,14 +101,15 @@ def record_launches():
 
 
 def compile_launches(launches) -> int:
-    """Compile each recorded launch for sm_90; print shared memory; return the number of bad ones."""
+    """Compile each recorded launch for sm_90; print shared memory; return the count of bad ones."""
     target = GPUTarget("cuda", 90, 32)
     bad = 0
     print(f"triton {triton.__version__}: {len(launches)} kernel specialisations")
     for module, name, signature, constants, warps in launches:
         fn = getattr(importlib.import_module(module), name)
         shown = {k: v for k, v in constants.items() if k in ("HR", "TOK", "D", "DI", "BN", "KS",
-                                                             "SPARSE", "FULL", "TOPK")}
+                                                             "SPARSE", "FULL", "TOPK", "ISO")}
+        shown["dtype"] = next((v for k, v in signature.items() if k in ("q_ptr", "qi_ptr")), "")
         try:
             kernel = triton.compile(ASTSource(fn, signature, constants), target=target,
                                     options=dict(num_warps=warps))

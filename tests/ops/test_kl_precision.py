@@ -2,7 +2,8 @@
 
 At pretraining scale ``kl_scale = 1 / (N * Hi)`` is ~1e-7 and the index-branch gradients are
 smaller still: below fp16's normal range. The backends keep them in fp32 until the incoming
-gradient (carrying the fp16 loss scale) is applied, then cast, so a loss scaler recovers them. The oracle runs the same fp16-rounded inputs in fp64.
+gradient (carrying the fp16 loss scale) is applied, then cast, so a loss scaler recovers them.
+The oracle runs the same fp16-rounded inputs in fp64.
 """
 
 from __future__ import annotations
@@ -38,8 +39,23 @@ def test_fp16_index_gradients_do_not_underflow(backend):
     inputs = {n: (t.to(torch.float16) if t.is_floating_point() else t) for n, t in inputs.items()}
     ref_q, ref_k = _index_grads(inputs, "reference", torch.float64)
     got_q, got_k = _index_grads(inputs, backend, torch.float16)
-    assert rel_err(got_q, ref_q) < 2e-2, rel_err(got_q, ref_q)
-    assert rel_err(got_k, ref_k) < 2e-2, rel_err(got_k, ref_k)
+    # fp16's own rounding is ~5e-4 here; the bar is the GPU check's fp16 bar.
+    assert rel_err(got_q, ref_q) < 3e-3, rel_err(got_q, ref_q)
+    assert rel_err(got_k, ref_k) < 3e-3, rel_err(got_k, ref_k)
+
+
+def test_fp16_index_gradients_need_the_loss_scale():
+    """Without a loss scale the exact index gradients rounded to fp16 are already far outside
+    the fp16 bar (subnormals): why the GPU check of 2026-12-01 saw 2.7e-2 for dq_idx in fp16
+    and why the checks pass the KL an fp16 loss scale (bench_kernels.KL_GRAD)."""
+    inputs = make_inputs([70, 45], heads=4, kv_heads=2, index_heads=2, seed=11,
+                         requires_grad=False)
+    inputs = {n: (t.to(torch.float16) if t.is_floating_point() else t) for n, t in inputs.items()}
+    ref_q, ref_k = _index_grads(inputs, "reference", torch.float64)
+    assert ref_q.abs().max() < 6.1e-5  # below fp16's smallest normal number
+    assert rel_err(ref_q.to(torch.float16).double(), ref_q) > 3e-3
+    scaled = (ref_q * LOSS_SCALE).to(torch.float16).double() / LOSS_SCALE
+    assert rel_err(scaled, ref_q) < 1e-3
 
 
 def _large_logit_inputs(dtype, seed):

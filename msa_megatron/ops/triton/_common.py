@@ -68,6 +68,19 @@ def partial_budget(q_bytes: int) -> int:
     return max(PARTIAL_QS * int(q_bytes), PARTIAL_MIN_BYTES)
 
 
+def tile_rows(rows: int, dtype: torch.dtype) -> int:
+    """Rows of a kernel's row tiles for inputs of ``dtype``: ``rows`` for 2-byte elements, half
+    for fp32 (every tile takes twice the shared memory; sm_90 allows 227 KiB per block)."""
+    return rows if dtype.itemsize <= 2 else max(16, rows // 2)
+
+
+def stage_options(dtype: torch.dtype) -> dict:
+    """Launch options by input dtype: fp32 tiles are not software-pipelined (one stage: the
+    pipeline's buffers of fp32 tiles exceed sm_90's shared memory; fp32 products run on the
+    CUDA cores, where the pipeline gains little)."""
+    return {} if dtype.itemsize <= 2 else {"num_stages": 1}
+
+
 def next_pow2(n: int) -> int:
     """Smallest power of two >= ``n`` (>= 1)."""
     return triton.next_power_of_2(max(int(n), 1))

@@ -23,9 +23,9 @@ import triton.language as tl
 
 from ._common import (
     ALL_ROWS, DENSE_KEY_TILE, FULL_ROWS, GATHER_ROWS, KEY_SUBTILE, SPARSE_ROWS, dot_flags, mma,
-    partial_budget, persistent_programs, row_filter, support_mask,
+    partial_budget, persistent_programs, row_filter, stage_options, support_mask, tile_rows,
 )
-from ._isolation import nonfinite, support_mma
+from ._isolation import launch_both, nonfinite, nonfinite_flag, skip, support_mma
 from .forward import combine_rows, pair_rows, query_rows, query_tiling, warps_for
 from .reverse_index import (
     SUB_CHUNKS, bucket_pairs, bucket_rows, build_reverse_index, chunk_count, chunk_tokens_bound,
@@ -53,8 +53,10 @@ def _attn_bwd_dq_dense_kernel(
     s_qt, s_qh, s_kt, s_kh, s_lt,
     HPI: tl.constexpr, HR: tl.constexpr, TOK: tl.constexpr, IPG: tl.constexpr,
     D: tl.constexpr, BN: tl.constexpr, HI: tl.constexpr, FULL: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, ISO: tl.constexpr, bad_ptr,
 ):
+    if skip(bad_ptr, ISO):
+        return
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     i = tl.program_id(1)
     g = i // IPG
@@ -81,14 +83,15 @@ def _attn_bwd_dq_dense_kernel(
         inside = support_mask(krow, kmask, kbase, pos, valid)
         p = tl.where(inside, tl.exp(s - lse[:, None]), 0.0)
         ds = tl.where(inside, p * (mma(do, tl.trans(vt), UPCAST, IEEE) - delta[:, None]), 0.0)
-        dq += support_mma(ds.to(kt.dtype), kt, nonfinite(kt), inside, UPCAST, IEEE)
+        dq += support_mma(ds.to(kt.dtype), kt, nonfinite(kt), inside, UPCAST, IEEE, ISO)
     tl.store(dq_ptr + q_off, (dq * scale).to(dq_ptr.dtype.element_ty), mask=valid[:, None])
 
 
 @triton.jit
 def _kv_rows_step(dk, dv, kt, vt, krow, kmask, t, h, valid, q_ptr, do_ptr, lse_ptr, delta_ptr,
                   qpos_ptr, qkb_ptr, s_qt, s_qh, s_lt, scale,
-                  D: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                  D: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                  ISO: tl.constexpr):
     """One tile of (token, head) rows against key rows ``krow``: adds to dK, dV; returns the
     rows' ``dS`` (fp32, softmax scale not applied, 0 off the support), the support mask and
     the highest key row they reach."""
@@ -104,9 +107,11 @@ def _kv_rows_step(dk, dv, kt, vt, krow, kmask, t, h, valid, q_ptr, do_ptr, lse_p
     s = mma(q, tl.trans(kt), UPCAST, IEEE) * scale
     inside = support_mask(krow, kmask, kbase, pos, valid)
     p = tl.where(inside, tl.exp(s - lse[:, None]), 0.0)
-    dv += support_mma(tl.trans(p.to(do.dtype)), do, nonfinite(do), tl.trans(inside), UPCAST, IEEE)
+    dv += support_mma(tl.trans(p.to(do.dtype)), do, nonfinite(do), tl.trans(inside), UPCAST, IEEE,
+                      ISO)
     ds = tl.where(inside, p * (mma(do, tl.trans(vt), UPCAST, IEEE) - delta[:, None]), 0.0)
-    dk += support_mma(tl.trans(ds.to(q.dtype)), q, nonfinite(q), tl.trans(inside), UPCAST, IEEE)
+    dk += support_mma(tl.trans(ds.to(q.dtype)), q, nonfinite(q), tl.trans(inside), UPCAST, IEEE,
+                      ISO)
     return dk, dv, ds, inside, tl.max(tl.where(valid, kbase + pos, -1))
 
 
@@ -117,11 +122,13 @@ def _attn_bwd_blocks_kernel(
     s_qt, s_qh, s_kt, s_kh, s_lt,
     HI: tl.constexpr, TOPK: tl.constexpr, HPI: tl.constexpr, HR: tl.constexpr,
     TOK: tl.constexpr, IPG: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
-    SUB: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    SUB: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, ISO: tl.constexpr, bad_ptr,
 ):
     """Sparse dK/dV (added to fp32 ``dk``/``dv`` [Tk, Hkv, D]) and partial dQ rows
     ``(flat * NSUB + sub) * HPI + hl`` of ``pdq`` for the pairs of sub-chunks ``sc0 .. sc1-1``;
     persistent over (KV group x start row, key sub-tile): one program owns those key rows."""
+    if skip(bad_ptr, ISO):
+        return
     NSUB: tl.constexpr = BN // KS
     c = tl.arange(0, KS)
     d = tl.arange(0, D)
@@ -146,9 +153,10 @@ def _attn_bwd_blocks_kernel(
                 dk, dv, ds, inside, rr = _kv_rows_step(dk, dv, kt, vt, krow, kmask, t,
                                                        i * HPI + hl, valid, q_ptr, do_ptr,
                                                        lse_ptr, delta_ptr, qpos_ptr, qkb_ptr,
-                                                       s_qt, s_qh, s_lt, scale, D, UPCAST, IEEE)
+                                                       s_qt, s_qh, s_lt, scale, D, UPCAST, IEEE,
+                                                       ISO)
                 reach = tl.maximum(reach, rr)
-                dq = support_mma(ds.to(kt.dtype), kt, k_bad, inside, UPCAST, IEEE) * scale
+                dq = support_mma(ds.to(kt.dtype), kt, k_bad, inside, UPCAST, IEEE, ISO) * scale
                 prow = (flat.to(tl.int64) * NSUB + w % NSUB) * HPI + hl
                 tl.store(pdq_ptr + prow[:, None] * D + d[None, :],
                          dq.to(pdq_ptr.dtype.element_ty), mask=valid[:, None])
@@ -165,10 +173,12 @@ def _attn_bwd_dkdv_dense_kernel(
     s_qt, s_qh, s_kt, s_kh, s_lt,
     HPI: tl.constexpr, HR: tl.constexpr, TOK: tl.constexpr, IPG: tl.constexpr,
     D: tl.constexpr, KS: tl.constexpr, HI: tl.constexpr, FULL: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, ISO: tl.constexpr, bad_ptr,
 ):
     """Dense dK/dV: one program per key tile of ``KS`` rows and KV group (rows filtered by
     ``FULL``); writes every key row of the tile."""
+    if skip(bad_ptr, ISO):
+        return
     n = tl.program_id(0)
     g = tl.program_id(1)
     r = tl.arange(0, TOK * HR)
@@ -191,7 +201,7 @@ def _attn_bwd_dkdv_dense_kernel(
             dk, dv, _, _, _ = _kv_rows_step(dk, dv, kt, vt, krow, kmask, t,
                                             (g * IPG + ii) * HPI + hl, rows, q_ptr, do_ptr,
                                             lse_ptr, delta_ptr, qpos_ptr, qkb_ptr, s_qt, s_qh,
-                                            s_lt, scale, D, UPCAST, IEEE)
+                                            s_lt, scale, D, UPCAST, IEEE, ISO)
     tl.store(dk_ptr + off, (dk * scale).to(dk_ptr.dtype.element_ty), mask=kmask[:, None])
     tl.store(dv_ptr + off, dv.to(dv_ptr.dtype.element_ty), mask=kmask[:, None])
 
@@ -242,7 +252,8 @@ def attention_backward(
     upcast, ieee = dot_flags(q.dtype)
     scale = float(softmax_scale)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0))
-    tok, hr = query_tiling(hpi, GATHER_ROWS)
+    tok, hr = query_tiling(hpi, tile_rows(GATHER_ROWS, q.dtype))
+    opts = stage_options(q.dtype)
     rev = None
     if sparse:
         block_idx = block_idx.contiguous()
@@ -254,18 +265,21 @@ def attention_backward(
               for x in (k, v))
     full = q_pos if rev is None else rev.full
     which = ALL_ROWS if rev is None else FULL_ROWS
-    _attn_bwd_dq_dense_kernel[(triton.cdiv(Tq, tok), hi)](
-        q, k, v, dout, lse, delta, q_pos, q_kbase, full, dq, Tq, Tk, scale, *strides,
+    bad = nonfinite_flag(q, k, dout)  # the operands support_mma isolates here
+    launch_both(
+        _attn_bwd_dq_dense_kernel, (triton.cdiv(Tq, tok), hi), q, k, v, dout, lse, delta, q_pos,
+        q_kbase, full, dq, Tq, Tk, scale, *strides,
         HPI=hpi, HR=hr, TOK=tok, IPG=ipg, D=D, BN=DENSE_KEY_TILE, HI=hi, FULL=which,
-        UPCAST=upcast, IEEE=ieee, num_warps=warps_for(tok * hr),
+        UPCAST=upcast, IEEE=ieee, bad_ptr=bad, num_warps=warps_for(tok * hr), **opts,
     )
     ks = KEY_SUBTILE
     present = None if rev is None else rev.full.any(1)
     qt_lo, qt_hi = query_tile_ranges(q_pos, q_kbase, Tk, tok, ks, present)
-    _attn_bwd_dkdv_dense_kernel[(triton.cdiv(Tk, ks), Hkv)](
-        q, k, v, dout, lse, delta, q_pos, q_kbase, full, dk, dv, qt_lo, qt_hi, Tq, Tk, scale,
+    launch_both(
+        _attn_bwd_dkdv_dense_kernel, (triton.cdiv(Tk, ks), Hkv), q, k, v, dout, lse, delta,
+        q_pos, q_kbase, full, dk, dv, qt_lo, qt_hi, Tq, Tk, scale,
         *strides, HPI=hpi, HR=hr, TOK=tok, IPG=ipg, D=D, KS=ks, HI=hi, FULL=which,
-        UPCAST=upcast, IEEE=ieee, num_warps=warps_for(max(tok * hr, ks)),
+        UPCAST=upcast, IEEE=ieee, bad_ptr=bad, num_warps=warps_for(max(tok * hr, ks)), **opts,
     )
     if not sparse:
         return dq, dk, dv
@@ -278,11 +292,13 @@ def attention_backward(
     part = torch.empty((rows * hi * top_k * nsub * hpi, D), dtype=q.dtype, device=q.device)
     step = SUB_CHUNKS // chunks
     for sc0 in range(0, SUB_CHUNKS, step):
-        _attn_bwd_blocks_kernel[(persistent_programs(q.device, Hkv * Tk * nsub),)](
-            q, k, v, dout, lse, delta, q_pos, q_kbase, dk, dv, part, rev.pair, rev.off,
+        launch_both(
+            _attn_bwd_blocks_kernel, (persistent_programs(q.device, Hkv * Tk * nsub),), q, k, v,
+            dout, lse, delta, q_pos, q_kbase, dk, dv, part, rev.pair, rev.off,
             rev.starts, rev.meta, rev.sub_t0, sc0, sc0 + step, Tk, scale, *strides,
             HI=hi, TOPK=top_k, HPI=hpi, HR=hr, TOK=tok, IPG=ipg, D=D, BN=block_size, KS=ks,
-            SUB=SUB_CHUNKS, UPCAST=upcast, IEEE=ieee, num_warps=warps_for(max(tok * hr, ks)),
+            SUB=SUB_CHUNKS, UPCAST=upcast, IEEE=ieee, bad_ptr=bad,
+            num_warps=warps_for(max(tok * hr, ks)), **opts,
         )
         sum_partials_kernel[(triton.cdiv(rows, tok), hi)](
             part, block_idx, q_pos, rev.full, dq, rev.sub_t0, sc0, sc0 + step,

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dot_flags, interpreting, mma
+from ._common import dot_flags, interpreting, mma, stage_options, tile_rows
 from ._isolation import log_sum_exp, nonfinite, support_mma
 
 TILES_ENV = "MSA_DENSE_KL_TILES"
@@ -171,8 +171,8 @@ def _dense_kl_kernel(
         if GRAD:
             dz = tl.where(inside, tl.exp(log_qs) - teacher, 0.0) * DZS
             dk += support_mma(tl.trans(dz.to(qi.dtype)), qi, nonfinite(qi), tl.trans(inside),
-                              UPCAST, IEEE)
-            dq = support_mma(dz.to(kit.dtype), kit, kit_bad, inside, UPCAST, IEEE)
+                              UPCAST, IEEE, True)
+            dq = support_mma(dz.to(kit.dtype), kit, kit_bad, inside, UPCAST, IEEE, True)
             # Fixed point holds the finite entries; a row with a NaN/Inf entry gets NaN through
             # the float channel (only 0 or NaN are added there: order-independent).
             dq_bad = nonfinite(dq)
@@ -244,6 +244,8 @@ def dense_kl_loss(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: float,
     bm, bn, warps, stages = tiles()
     if interpreting():
         bm, bn, warps, stages = 16, 16, 4, 1
+    elif q.dtype.itemsize > 2:  # fp32 tiles: twice the bytes (sm_90 shared memory)
+        bm, bn, stages = tile_rows(bm, q.dtype), tile_rows(bn, q.dtype), 1
     scale2 = float(softmax_scale) * _LOG2E
     iscale = float(index_scale)
     lse_z = torch.empty((Tq, Hi), dtype=torch.float32, device=dev)
@@ -251,6 +253,7 @@ def dense_kl_loss(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: float,
         q_idx, k_idx, q_pos, q_kbase, lse_z, Tq, Tk, iscale,
         q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), k_idx.stride(1), lse_z.stride(0),
         HPK=Hi // Hik, DI=Di, BM=bm, BN=bn, UPCAST=upcast, IEEE=ieee, num_warps=4,
+        **stage_options(q.dtype),
     )
     m_lo, m_hi = _query_tile_ranges(q_pos, q_kbase, Tk, bm, bn)
     n_tiles = triton.cdiv(Tk, bn)

@@ -23,9 +23,10 @@ import triton.language as tl
 
 from ._common import (
     ALL_ROWS, DENSE_KEY_TILE, DENSE_ROWS, FULL_ROWS, GATHER_ROWS, SPARSE_ROWS, dot_flags, mma,
-    next_pow2, partial_budget, persistent_programs, row_filter, support_mask,
+    next_pow2, partial_budget, persistent_programs, row_filter, stage_options, support_mask,
+    tile_rows,
 )
-from ._isolation import log_sum_exp, nonfinite, support_mma
+from ._isolation import launch_both, log_sum_exp, nonfinite, nonfinite_flag, skip, support_mma
 from .reverse_index import (
     SUB_CHUNKS, bucket_rows, build_reverse_index, chunk_count, chunk_tokens_bound, item_pairs,
 )
@@ -61,7 +62,7 @@ def pair_rows(pair_ptr, p0, hi, f0, HI: tl.constexpr, TOPK: tl.constexpr, HPI: t
 
 @triton.jit
 def _fwd_step(q, m, l, acc, k_ptr, v_ptr, krow, kmask, inside, g, s_kt, s_kh, scale,
-              D: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+              D: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, ISO: tl.constexpr):
     """One key tile of the online softmax; ``inside [R, N]`` is the support."""
     d = tl.arange(0, D)
     off = krow.to(tl.int64)[:, None] * s_kt + g * s_kh + d[None, :]
@@ -74,7 +75,7 @@ def _fwd_step(q, m, l, acc, k_ptr, v_ptr, krow, kmask, inside, g, s_kt, s_kh, sc
     p = tl.exp(s - m_use[:, None])
     l = l * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + support_mma(p.to(vt.dtype), vt, nonfinite(vt), inside, UPCAST,
-                                             IEEE)
+                                             IEEE, ISO)
     return m_new, l, acc
 
 
@@ -85,8 +86,10 @@ def _attn_fwd_dense_kernel(
     s_qt, s_qh, s_kt, s_kh, s_lt,
     HPI: tl.constexpr, HR: tl.constexpr, TOK: tl.constexpr, IPG: tl.constexpr,
     D: tl.constexpr, BN: tl.constexpr, HI: tl.constexpr, FULL: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, ISO: tl.constexpr, bad_ptr,
 ):
+    if skip(bad_ptr, ISO):
+        return
     R: tl.constexpr = TOK * HR
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # late (long) rows first
     i = tl.program_id(1)
@@ -106,7 +109,7 @@ def _attn_fwd_dense_kernel(
         kmask = krow <= k_hi
         inside = support_mask(krow, kmask, kbase, pos, valid)
         m, l, acc = _fwd_step(q, m, l, acc, k_ptr, v_ptr, krow, kmask, inside, i // IPG,
-                              s_kt, s_kh, scale, D, UPCAST, IEEE)
+                              s_kt, s_kh, scale, D, UPCAST, IEEE, ISO)
     l_safe = tl.where(l == 0, 1.0, l)  # NaN stays NaN
     tl.store(o_ptr + q_off, (acc / l_safe[:, None]).to(o_ptr.dtype.element_ty),
              mask=valid[:, None])
@@ -122,6 +125,7 @@ def _attn_fwd_blocks_kernel(
     HI: tl.constexpr, TOPK: tl.constexpr, HPI: tl.constexpr, HR: tl.constexpr,
     TOK: tl.constexpr, IPG: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
     SUB: tl.constexpr, ITEM: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    ISO: tl.constexpr, bad_ptr,
 ):
     """Partial output and LSE of every (pair, head) row of sub-chunks ``sc0 .. sc1 - 1`` over
     its selected block.
@@ -130,6 +134,8 @@ def _attn_fwd_blocks_kernel(
     to ``ITEM_PAIRS`` pairs); partial row of pair ``flat`` (relative to the chunk) and head
     ``hl`` is ``flat * HPI + hl``.
     """
+    if skip(bad_ptr, ISO):
+        return
     c = tl.arange(0, BN)
     d = tl.arange(0, D)
     f0 = tl.load(sub_t0_ptr + sc0) * (HI * TOPK)
@@ -159,7 +165,7 @@ def _attn_fwd_blocks_kernel(
             l = tl.sum(p, axis=1)
             lse = log_sum_exp(m, l)
             l = tl.where(l == 0, 1.0, l)  # NaN stays NaN
-            o = support_mma(p.to(vt.dtype), vt, v_bad, inside, UPCAST, IEEE) / l[:, None]
+            o = support_mma(p.to(vt.dtype), vt, v_bad, inside, UPCAST, IEEE, ISO) / l[:, None]
             prow = flat.to(tl.int64) * HPI + hl
             tl.store(po_ptr + prow[:, None] * D + d[None, :], o.to(po_ptr.dtype.element_ty),
                      mask=valid[:, None])
@@ -276,17 +282,20 @@ def attention_forward(
         rev = build_reverse_index(block_idx, q_pos, q_kbase, Tk, block_size, Hkv)
     # Dense kernel: every row in dense mode, the rows whose selection is their whole causal
     # prefix in sparse mode.
-    tok, hr = query_tiling(hpi, DENSE_ROWS)
-    _attn_fwd_dense_kernel[(triton.cdiv(Tq, tok), hi)](
-        q, k, v, q_pos, q_kbase, q_pos if rev is None else rev.full, out, lse, Tq, Tk,
+    bad = nonfinite_flag(v)  # the only operand support_mma isolates here
+    opts = stage_options(q.dtype)
+    tok, hr = query_tiling(hpi, tile_rows(DENSE_ROWS, q.dtype))
+    launch_both(
+        _attn_fwd_dense_kernel, (triton.cdiv(Tq, tok), hi), q, k, v, q_pos, q_kbase,
+        q_pos if rev is None else rev.full, out, lse, Tq, Tk,
         float(softmax_scale), q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
         HPI=hpi, HR=hr, TOK=tok, IPG=hi // Hkv, D=D, BN=DENSE_KEY_TILE, HI=hi,
-        FULL=ALL_ROWS if rev is None else FULL_ROWS, UPCAST=upcast, IEEE=ieee,
-        num_warps=warps_for(tok * hr),
+        FULL=ALL_ROWS if rev is None else FULL_ROWS, UPCAST=upcast, IEEE=ieee, bad_ptr=bad,
+        num_warps=warps_for(tok * hr), **opts,
     )
     if rev is None:
         return out, lse
-    tok, hr = query_tiling(hpi, GATHER_ROWS)
+    tok, hr = query_tiling(hpi, tile_rows(GATHER_ROWS, q.dtype))
     top_k = block_idx.shape[2]
     per_query = Hq * top_k * (D * q.element_size() + 4)
     chunks = chunk_count(Tq * per_query, partial_budget(q.numel() * q.element_size()))
@@ -295,13 +304,14 @@ def attention_forward(
     part_lse = torch.empty(part.shape[0], dtype=torch.float32, device=q.device)
     step = SUB_CHUNKS // chunks
     for sc0 in range(0, SUB_CHUNKS, step):
-        _attn_fwd_blocks_kernel[(persistent_programs(q.device, rev.max_items),)](
-            q, k, v, q_pos, q_kbase, part, part_lse, rev.pair, rev.item_cell, rev.cell_start,
+        launch_both(
+            _attn_fwd_blocks_kernel, (persistent_programs(q.device, rev.max_items),), q, k, v,
+            q_pos, q_kbase, part, part_lse, rev.pair, rev.item_cell, rev.cell_start,
             rev.off, rev.sub_item, rev.sub_t0, rev.starts, rev.meta, sc0, sc0 + step, Tk,
             rev.max_buckets, float(softmax_scale), q.stride(0), q.stride(1), k.stride(0),
             k.stride(1), HI=hi, TOPK=top_k, HPI=hpi, HR=hr, TOK=tok, IPG=hi // Hkv, D=D,
             BN=block_size, SUB=SUB_CHUNKS, ITEM=rev.item_pairs, UPCAST=upcast, IEEE=ieee,
-            num_warps=warps_for(tok * hr),
+            bad_ptr=bad, num_warps=warps_for(tok * hr), **opts,
         )
         _attn_combine_kernel[(triton.cdiv(rows, tok), hi)](
             part, part_lse, block_idx, q_pos, rev.full, out, lse, rev.sub_t0, sc0, sc0 + step,

@@ -31,10 +31,10 @@ import triton.language as tl
 
 from ._common import (
     ALL_ROWS, DENSE_KEY_TILE, DENSE_ROWS, FULL_ROWS, GATHER_ROWS, KEY_SUBTILE, KL_ROWS,
-    SPARSE_ROWS, dot_flags, mma, partial_budget, persistent_programs, row_filter, support_mask,
-    token_mean,
+    SPARSE_ROWS, dot_flags, mma, partial_budget, persistent_programs, row_filter, stage_options,
+    support_mask, tile_rows, token_mean,
 )
-from ._isolation import log_sum_exp, nonfinite, support_mma
+from ._isolation import launch_both, log_sum_exp, nonfinite, nonfinite_flag, skip, support_mma
 from .backward import sum_partials_kernel
 from .forward import pair_rows, query_rows, query_tiling, warps_for
 from .reverse_index import (
@@ -91,9 +91,12 @@ def _kl_rows_dense_kernel(
     HPI: tl.constexpr, HR: tl.constexpr, TOK: tl.constexpr, IPG: tl.constexpr,
     HPK: tl.constexpr, D: tl.constexpr, DI: tl.constexpr, BN: tl.constexpr, HI: tl.constexpr,
     FULL: tl.constexpr, GRAD: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    ISO: tl.constexpr, bad_ptr,
 ):
     """Query-outer over the causal row (dense mode; rows marked full in sparse mode):
     ``lse_z``, per-token KL and ``dq_idx``."""
+    if skip(bad_ptr, ISO):
+        return
     R: tl.constexpr = TOK * HR
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     i = tl.program_id(1)
@@ -143,7 +146,7 @@ def _kl_rows_dense_kernel(
                                          UPCAST, IEEE)
         kl += kl_tile
         if GRAD:
-            dqi += support_mma(dz.to(kit.dtype), kit, nonfinite(kit), on, UPCAST, IEEE)
+            dqi += support_mma(dz.to(kit.dtype), kit, nonfinite(kit), on, UPCAST, IEEE, ISO)
     tl.store(kl_ptr + t64 * s_zt + i, kl, mask=first)
     if GRAD:
         dqi = dqi * (iscale * grad_scale / _DZ_SCALE)
@@ -197,6 +200,7 @@ def _kl_keys_kernel(
     TOK: tl.constexpr, IPG: tl.constexpr, HPK: tl.constexpr, UNIT: tl.constexpr,
     D: tl.constexpr, DI: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr, SUB: tl.constexpr,
     SPARSE: tl.constexpr, FULL: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    ISO: tl.constexpr, bad_ptr,
 ):
     """Index-key gradient of key rows, one fp32 partial per unit (``part [units, Tk, DI]``).
 
@@ -206,6 +210,8 @@ def _kl_keys_kernel(
     ``flat * NSUB + sub``, relative to the chunk). Dense: one program per key tile and unit,
     over the query tiles that can see the tile (rows filtered by ``FULL``); writes ``part``.
     """
+    if skip(bad_ptr, ISO):
+        return
     UPG: tl.constexpr = IPG // UNIT
     NSUB: tl.constexpr = BN // KS
     out_scale = iscale * grad_scale / _DZ_SCALE
@@ -244,9 +250,9 @@ def _kl_keys_kernel(
                                                   iscale, HPI, HR, TOK, D, DI, UPCAST, IEEE)
                     reach = tl.maximum(reach, rr)
                     dki += support_mma(tl.trans(dz.to(qi.dtype)), qi, nonfinite(qi),
-                                       tl.trans(on), UPCAST, IEEE)
+                                       tl.trans(on), UPCAST, IEEE, ISO)
                     dqi = support_mma(dz.to(kit.dtype), kit, kit_bad, on, UPCAST,
-                                      IEEE) * out_scale
+                                      IEEE, ISO) * out_scale
                     prow = flat.to(tl.int64) * NSUB + w % NSUB
                     first = valid & (hl == 0)
                     tl.store(pkl_ptr + prow, kl, mask=first)
@@ -280,7 +286,7 @@ def _kl_keys_kernel(
                                             s_it, s_ih, s_zt, scale, iscale, HPI, HR, TOK, D, DI,
                                             UPCAST, IEEE)
                 dki += support_mma(tl.trans(dz.to(qi.dtype)), qi, nonfinite(qi), tl.trans(on),
-                                   UPCAST, IEEE)
+                                   UPCAST, IEEE, ISO)
         tl.store(part_ptr + unit.to(tl.int64) * s_pu + k64 * DI + di[None, :], dki * out_scale,
                  mask=kmask[:, None])
 
@@ -321,7 +327,9 @@ def kl_loss(
     # 64 query rows per key-side tile: with 128 (KL_ROWS) the sparse pass-B kernel at
     # D = Di = 128 needs 256 KiB of shared memory under Triton 3.6 (H200 limit 227 KiB; 176 KiB
     # with 64 rows), which the interpreter does not check.
-    tok, hr = query_tiling(hpi, GATHER_ROWS)
+    tok, hr = query_tiling(hpi, tile_rows(GATHER_ROWS, q.dtype))
+    opts = stage_options(q.dtype)
+    kl_rows = tile_rows(KL_ROWS, q.dtype)
     scales = (float(softmax_scale), float(index_scale), float(kl_scale))
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
                q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), k_idx.stride(1))
@@ -339,8 +347,8 @@ def kl_loss(
             q_idx, k_idx, q_pos, q_kbase, lse_z_part, rev.pair, rev.item_cell, rev.cell_start,
             rev.off, rev.sub_item, rev.starts, rev.meta, Tk, rev.max_buckets, scales[1],
             *strides[5:], HI=Hi, TOPK=top_k, IPG=ipg, HPK=hpk, DI=Di, BN=block_size,
-            ROWS=KL_ROWS, SUB=SUB_CHUNKS, ITEM=rev.item_pairs, UPCAST=upcast, IEEE=ieee,
-            num_warps=warps_for(KL_ROWS),
+            ROWS=kl_rows, SUB=SUB_CHUNKS, ITEM=rev.item_pairs, UPCAST=upcast, IEEE=ieee,
+            num_warps=warps_for(kl_rows), **opts,
         )
         torch.logsumexp(lse_z_part, dim=2, out=lse_z)
         del lse_z_part
@@ -349,13 +357,15 @@ def kl_loss(
     full = q_pos if rev is None else rev.full
     which = ALL_ROWS if rev is None else FULL_ROWS
     kl_tok = torch.zeros((Tq, Hi), dtype=torch.float32, device=dev)
-    rows_tok, rows_hr = query_tiling(hpi, DENSE_ROWS)
-    _kl_rows_dense_kernel[(triton.cdiv(Tq, rows_tok), Hi)](
-        q, k, lse, q_idx, k_idx, q_pos, q_kbase, full, kl_tok, lse_z,
+    rows_tok, rows_hr = query_tiling(hpi, tile_rows(DENSE_ROWS, q.dtype))
+    bad = nonfinite_flag(q_idx, k_idx)  # the operands support_mma isolates here
+    launch_both(
+        _kl_rows_dense_kernel, (triton.cdiv(Tq, rows_tok), Hi), q, k, lse, q_idx, k_idx, q_pos,
+        q_kbase, full, kl_tok, lse_z,
         dq_idx if compute_grad else q_idx, Tq, Tk, *scales, *strides, lse_z.stride(0),
         HPI=hpi, HR=rows_hr, TOK=rows_tok, IPG=ipg, HPK=hpk, D=D, DI=Di, BN=DENSE_KEY_TILE,
-        HI=Hi, FULL=which, GRAD=compute_grad, UPCAST=upcast, IEEE=ieee,
-        num_warps=warps_for(rows_tok * rows_hr),
+        HI=Hi, FULL=which, GRAD=compute_grad, UPCAST=upcast, IEEE=ieee, bad_ptr=bad,
+        num_warps=warps_for(rows_tok * rows_hr), **opts,
     )
     sums = [kl_tok.sum()]
     part = None if rev is None else torch.zeros((n_units, Tk, Di), dtype=torch.float32,
@@ -365,12 +375,13 @@ def kl_loss(
         ks = KEY_SUBTILE
         present = None if rev is None else rev.full.any(1)
         qt_lo, qt_hi = query_tile_ranges(q_pos, q_kbase, Tk, tok, ks, present)
-        _kl_keys_kernel[(triton.cdiv(Tk, ks), n_units)](
-            q, k, lse, q_idx, k_idx, lse_z, q_pos, q_kbase, part, part, part, q_pos, q_pos, q_pos,
+        launch_both(
+            _kl_keys_kernel, (triton.cdiv(Tk, ks), n_units), q, k, lse, q_idx, k_idx, lse_z,
+            q_pos, q_kbase, part, part, part, q_pos, q_pos, q_pos,
             q_pos, q_pos, full, qt_lo, qt_hi, 0, 0, Tq, Tk, *scales, *strides, lse_z.stride(0),
             part.stride(0), HI=Hi, TOPK=1, HPI=hpi, HR=hr, TOK=tok, IPG=ipg, HPK=hpk, UNIT=unit,
             D=D, DI=Di, BN=ks, KS=ks, SUB=SUB_CHUNKS, SPARSE=False, FULL=which, UPCAST=upcast,
-            IEEE=ieee, num_warps=warps_for(max(tok * hr, ks)),
+            IEEE=ieee, bad_ptr=bad, num_warps=warps_for(max(tok * hr, ks)), **opts,
         )
     if rev is not None:
         ks = min(block_size, KEY_SUBTILE)
@@ -384,13 +395,15 @@ def kl_loss(
         for sc0 in range(0, SUB_CHUNKS, step):
             if sc0:
                 pkl.zero_()
-            _kl_keys_kernel[(persistent_programs(dev, n_units * Tk * nsub),)](
-                q, k, lse, q_idx, k_idx, lse_z, q_pos, q_kbase, part, pkl, pdqi, rev.pair,
+            launch_both(
+                _kl_keys_kernel, (persistent_programs(dev, n_units * Tk * nsub),), q, k, lse,
+                q_idx, k_idx, lse_z, q_pos, q_kbase, part, pkl, pdqi, rev.pair,
                 rev.off, rev.starts, rev.meta, rev.sub_t0, rev.full, q_pos, q_pos, sc0, sc0 + step,
                 Tq, Tk, *scales, *strides, lse_z.stride(0), part.stride(0),
                 HI=Hi, TOPK=top_k, HPI=hpi, HR=hr, TOK=tok, IPG=ipg, HPK=hpk, UNIT=unit, D=D,
                 DI=Di, BN=block_size, KS=ks, SUB=SUB_CHUNKS, SPARSE=True, FULL=SPARSE_ROWS,
-                UPCAST=upcast, IEEE=ieee, num_warps=warps_for(max(tok * hr, ks)),
+                UPCAST=upcast, IEEE=ieee, bad_ptr=bad, num_warps=warps_for(max(tok * hr, ks)),
+                **opts,
             )
             sums.append(pkl.sum())
             if compute_grad:

@@ -44,8 +44,10 @@ from ._common import next_pow2
 SUB_CHUNKS = 16
 # Fewest tokens per tile of the counting sort (tiles are scattered by one program each).
 TILE_TOKENS = 128
-# Pairs per item of the per-pair kernels (pairs of one index head and start row).
-ITEM_PAIRS = 64
+# Pairs per item of the per-pair kernels (pairs of one index head and start row): 128 fills the
+# KL pass A's 128-row tiles (64 left them half empty) and halves the per-item index loads and K/V
+# reloads of the forward items.
+ITEM_PAIRS = 128
 # Entries (pairs) one step of the scatter handles at once.
 _STEP_ENTRIES = 64
 

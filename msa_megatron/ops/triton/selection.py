@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dot_flags, mma, next_pow2
+from ._common import dot_flags, mma, next_pow2, stage_options, tile_rows
 
 # Rows (tokens x heads) of one selection tile (128: 2.1 ms vs 2.8 ms for 64 at paper 32K, H200).
 SELECT_ROWS = 128
@@ -151,7 +151,7 @@ def select_blocks_triton(
     k_idx = k_idx.contiguous()
     hpk = Hi // Hik
     hr = next_pow2(hpk)
-    tok = max(1, SELECT_ROWS // hr)  # rows = max(SELECT_ROWS, hr) >= 16, as tl.dot needs
+    tok = max(1, tile_rows(SELECT_ROWS, q_idx.dtype) // hr)  # rows >= 16, as tl.dot needs
     rows = tok * hr
     upcast, ieee = dot_flags(q_idx.dtype)
     grid = (triton.cdiv(Tq, tok), Hik)
@@ -161,6 +161,6 @@ def select_blocks_triton(
         out.stride(0), out.stride(1),
         HPK=hpk, HR=hr, TOK=tok, DI=Di, BLK=block_size, TOPK=top_k, K_P2=next_pow2(top_k),
         INIT=init_blocks, LOCAL=local_blocks, UPCAST=upcast, IEEE=ieee,
-        num_warps=4 if rows <= 64 else 8,
+        num_warps=4 if rows <= 64 else 8, **stage_options(q_idx.dtype),
     )
     return out

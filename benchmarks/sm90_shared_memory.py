@@ -46,7 +46,7 @@ POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16:
 
 def record_launches():
     """Run the triton backend on paper-like shapes; return {key: (module, kernel name,
-    signature, constexprs, num_warps)} of every distinct launch."""
+    signature, constexprs, num_warps, num_stages or None)} of every distinct launch."""
     launches = {}
     original = interpreter.GridExecutor.__call__
 
@@ -76,7 +76,7 @@ def record_launches():
             constants["UPCAST"] = False
         key = (fn.__module__, fn.__name__, tuple(sorted(map(str, constants.items()))))
         launches[key] = (fn.__module__, fn.__name__, signature, constants,
-                         kwargs.get("num_warps", 4))
+                         kwargs.get("num_warps", 4), kwargs.get("num_stages"))
         return original(self, *args, **kwargs)
 
     interpreter.GridExecutor.__call__ = recording
@@ -105,18 +105,22 @@ def compile_launches(launches) -> int:
     target = GPUTarget("cuda", 90, 32)
     bad = 0
     print(f"triton {triton.__version__}: {len(launches)} kernel specialisations")
-    for module, name, signature, constants, warps in launches:
+    for module, name, signature, constants, warps, *stages in launches:
         fn = getattr(importlib.import_module(module), name)
         shown = {k: v for k, v in constants.items() if k in ("HR", "TOK", "D", "DI", "BN", "KS",
                                                              "SPARSE", "FULL", "TOPK", "ISO")}
         shown["dtype"] = next((v for k, v in signature.items() if k in ("q_ptr", "qi_ptr")), "")
         try:
+            options = dict(num_warps=warps)
+            if stages and stages[0] is not None:
+                options["num_stages"] = stages[0]
             kernel = triton.compile(ASTSource(fn, signature, constants), target=target,
-                                    options=dict(num_warps=warps))
+                                    options=options)
             shared = kernel.metadata.shared
             over = shared > SHARED_LIMIT
             bad += over
-            print(f"{'OVER' if over else 'ok  '} {name} {shown} warps {warps} shared {shared}")
+            print(f"{'OVER' if over else 'ok  '} {name} {shown} warps {warps} "
+                  f"stages {options.get('num_stages', 'default')} shared {shared}")
         except Exception as error:  # a compile error is a finding, not a crash of the tool
             bad += 1
             print(f"FAIL {name} {shown}: {type(error).__name__}: {str(error)[-300:]}")

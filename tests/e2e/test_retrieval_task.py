@@ -178,3 +178,48 @@ def test_scaled_question_density_is_a_parameter():
     assert retrieval_task.scaled(spec, 4096, question_every=8).queries == 128  # capped
     with pytest.raises(ValueError, match="question_every"):
         retrieval_task.scaled(spec, 256, question_every=0)
+
+
+def test_every_answer_label_is_determined_by_its_own_sequence():
+    """Brute-force solver over the example's packed training batches: at every answer row the
+    input is a key seen exactly once earlier in the same packed sequence, and the label is the
+    token right after that earlier key; no other row's label is a value except a record's own
+    (unpredictable) value; positions restart at every sequence; filler holds no key or value."""
+    import torch
+
+    tiny = _load_example()
+    try:
+        args = tiny.parse_args(["--device", "cpu", "--task", "retrieval", "--steps", "6",
+                                "--seq-len", "2048", "--task-len", "2048", "--task-len-min",
+                                "128", "--task-curriculum", "3", "--task-question-every", "8",
+                                "--pairs", "64", "--queries", "32", "--min-distance", "256",
+                                "--key-vocab", "96", "--block-size", "32",
+                                "--answer-weight", "7"])
+        files = tiny.split_files(tiny.stdlib_files(), args.seed)["train"][:50]
+        windows = tiny.take_retrieval_windows(files, args, 6, seed=5, mixed=True)
+        first_value = retrieval_task.BYTE_VOCAB + args.key_vocab
+        answers = 0
+        for window in windows:
+            batch = tiny.make_batch(window, None, args.block_size, args.top_k,
+                                    torch.device("cpu"), args.answer_weight)
+            x, y = batch.input_ids[0].tolist(), batch.labels[0].tolist()
+            pos, asked = batch.position_ids[0].tolist(), batch.answer_mask[0].tolist()
+            weight = batch.loss_mask[0].tolist()
+            start = 0
+            for length in window.seq_lens:
+                assert pos[start:start + length] == list(range(length))
+                for row in range(start, start + length - 1):
+                    if not asked[row]:
+                        assert y[row] < first_value or retrieval_task.BYTE_VOCAB <= x[row]
+                        continue
+                    answers += 1
+                    earlier = [p for p in range(start, row) if x[p] == x[row]]
+                    assert retrieval_task.BYTE_VOCAB <= x[row] < first_value  # a key
+                    assert len(earlier) == 1, (row, earlier)
+                    assert y[row] == x[earlier[0] + 1] >= first_value  # its record's value
+                    assert weight[row] == 7.0
+                assert not asked[start + length - 1]
+                start += length
+        assert answers == sum(len(w.answers.rows) for w in windows) > 500
+    finally:
+        sys.modules.pop("pretrain_tiny_retrieval_test", None)

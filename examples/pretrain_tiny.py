@@ -115,13 +115,15 @@ class Answers:
     ``rows``: rows whose label is an answer byte; ``query``: the window-wide question number of
     each such row; ``first_rows``: per question, the row predicting its first value byte (the
     row that must find the record); ``record_blocks``: per question, ``[first, last]`` key block
-    (relative to its sequence's start) of the asked record.
+    (relative to its sequence's start) of the asked record; ``value_set_chance``: per question,
+    the exact match of guessing uniformly among its sequence's distinct record values.
     """
 
     rows: List[int]
     query: List[int]
     first_rows: List[int]
     record_blocks: List[List[int]]
+    value_set_chance: List[float] = field(default_factory=list)
 
 
 @dataclass
@@ -202,6 +204,7 @@ def take_retrieval_windows(files: Sequence[Path], args: argparse.Namespace, coun
             answers.first_rows.extend(offset + p for p in part.answer_pos[::spec.value_len])
             answers.record_blocks.extend([first // args.block_size, last // args.block_size]
                                          for first, last in part.record_span)
+            answers.value_set_chance.extend([part.value_set_chance] * len(part.record_span))
             offset += length
         windows.append(Window(torch.cat([p.tokens for p in parts]), lengths, lengths, answers))
     return windows
@@ -666,7 +669,8 @@ def finish(history: History, model: GPTModel, args: argparse.Namespace, device: 
         if retrieval is not None:
             history.retrieval = retrieval
             print(f"[{name}] held-out retrieval: exact match {retrieval['exact_match']:.3f} "
-                  f"({retrieval['questions']} questions), answer loss "
+                  f"({retrieval['questions']} questions; value-set guess "
+                  f"{retrieval['value_set_chance']:.3f}), answer loss "
                   f"{retrieval['answer_loss']:.4f}, record block chosen "
                   f"{retrieval.get('key_hit', float('nan')):.2f}", flush=True)
 
@@ -706,6 +710,7 @@ def evaluate_retrieval(model: GPTModel, windows: List[Window], args: argparse.Na
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     answers = 0
     correct: List[int] = []
+    set_chance: List[float] = []
     result: Dict[str, object] = {}
     for w, window in enumerate(windows):
         batch = make_batch(window, cp_group, args.block_size, args.top_k, device)
@@ -727,6 +732,7 @@ def evaluate_retrieval(model: GPTModel, windows: List[Window], args: argparse.Na
         hits.index_add_(0, query[held].to(device), (log_probs.argmax(-1) == labels).double())
         dist.all_reduce(hits, group=cp_group)
         correct.extend(int(h) for h in hits.tolist())
+        set_chance.extend(window.answers.value_set_chance)
         answers += rows.numel()
         if probe is not None:
             probed = summarize_probe(probe[0], probe[1], window, args.block_size, device)
@@ -740,7 +746,8 @@ def evaluate_retrieval(model: GPTModel, windows: List[Window], args: argparse.Na
                 for layer, sample in sorted(probe[0].samples.items())}
     dist.all_reduce(loss_sum, group=cp_group)
     result.update({"exact_match": retrieval_task.exact_match(correct, value_len),
-                   "answer_loss": float(loss_sum) / max(answers, 1), "questions": len(correct)})
+                   "answer_loss": float(loss_sum) / max(answers, 1), "questions": len(correct),
+                   "value_set_chance": mean(set_chance) if set_chance else 0.0})
     return result
 
 

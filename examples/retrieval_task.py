@@ -76,6 +76,10 @@ class RetrievalSequence:
     answer_pos: List[int]  # positions whose *label* (next token) is an answer token
     answer_query: List[int]  # question number of each answer position
     record_span: List[List[int]]  # per question: [first, last] position of the asked record
+    # Exact match of the value-set guess (uniform over the distinct record values of this
+    # sequence, no retrieval): 1 / number of distinct values. A model that stops there has
+    # learned which values occur, not which key holds which value.
+    value_set_chance: float = 0.0
 
 
 def filler_stream(documents: Iterator[bytes]) -> Iterator[int]:
@@ -111,7 +115,7 @@ def make_sequence(spec: RetrievalSpec, filler: Iterator[int], rng: random.Random
         answer_query.extend([q] * spec.value_len)
         spans.append([starts[record], starts[record] + rl - 1])
     return RetrievalSequence(torch.tensor(tokens, dtype=torch.int64), answer_pos, answer_query,
-                             spans)
+                             spans, 1.0 / len({tuple(v) for v in values}))
 
 
 def scaled(spec: RetrievalSpec, length: int, question_every: int = 16) -> RetrievalSpec:

@@ -223,3 +223,21 @@ def test_every_answer_label_is_determined_by_its_own_sequence():
         assert answers == sum(len(w.answers.rows) for w in windows) > 500
     finally:
         sys.modules.pop("pretrain_tiny_retrieval_test", None)
+
+
+def test_value_set_chance_is_one_over_the_distinct_record_values():
+    rng = random.Random(4)
+    filler = iter(range(10 ** 9))
+    filler = (b % 200 + 1 for b in filler)
+    for vocab in (1, 3, 32):
+        spec = retrieval_task.RetrievalSpec(length=256, pairs=8, queries=4, min_distance=16,
+                                            key_vocab=16, value_vocab=vocab)
+        seq = retrieval_task.make_sequence(spec, filler, rng)
+        tokens = seq.tokens.tolist()
+        first_value = retrieval_task.BYTE_VOCAB + spec.key_vocab
+        query_start = spec.length - spec.queries * spec.record_len
+        record_values = {tokens[p + 1] for p in range(query_start)
+                         if retrieval_task.BYTE_VOCAB <= tokens[p] < first_value}
+        assert seq.value_set_chance == pytest.approx(1.0 / len(record_values))
+    assert retrieval_task.make_sequence(
+        retrieval_task.RetrievalSpec(256, 8, 4, 16, 16, 1), filler, rng).value_set_chance == 1.0

@@ -212,6 +212,30 @@ def test_attention_matches_reference(case, dense):
         assert rel_err(got, exp) < 2 * TOL[dtype], name
 
 
+def _assert_attention_and_kl_match_reference(q, k, v, q_idx, k_idx, block_idx, q_pos, q_kbase,
+                                             block_size):
+    """Triton attention + KL forward and the five gradients against the float64 oracle (fp32
+    inputs): output, LSE, KL value, q/k/v/q_idx/k_idx gradients."""
+    q, k, v, q_idx, k_idx = (x.requires_grad_() for x in (q, k, v, q_idx, k_idx))
+    backend = _triton()
+    out, lse = backend.attention(q, k, v, block_idx, q_pos, q_kbase, block_size=block_size)
+    kl = backend.kl(q, k, lse, q_idx, k_idx, block_idx, q_pos, q_kbase, block_size=block_size)
+    dout = _randn(*out.shape, dtype=torch.float32)
+    grads = torch.autograd.grad((out, kl), (q, k, v, q_idx, k_idx), (dout, torch.ones_like(kl)))
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v, q_idx, k_idx)]
+    want, want_lse = ref.attention_core_reference(*leaves[:3], block_idx, q_pos, q_kbase,
+                                                  block_size=block_size)
+    want_kl = ref.kl_core_reference(leaves[0], leaves[1], leaves[3], leaves[4], block_idx, q_pos,
+                                    q_kbase, block_size=block_size)
+    want_grads = torch.autograd.grad((want, want_kl), leaves, (dout.double(),
+                                                               torch.ones_like(want_kl)))
+    assert rel_err(out, want) < TOL[torch.float32]
+    assert (lse.double() - want_lse).abs().max().item() < 1e-4
+    assert abs(kl.item() - want_kl.item()) <= 1e-4 * abs(want_kl.item())
+    for name, got, exp in zip(("q", "k", "v", "q_idx", "k_idx"), grads, want_grads):
+        assert rel_err(got, exp) < 2 * TOL[torch.float32], name
+
+
 def test_short_rows_not_selecting_every_block_stay_sparse():
     """Rows with at most k blocks whose selection (a caller's) leaves a block out must not go
     through the dense kernels: output, LSE, gradients and KL follow the given selection."""
@@ -220,26 +244,10 @@ def test_short_rows_not_selecting_every_block_stay_sparse():
     own = (q_pos.long() // 16)
     short = (own == 1).nonzero().flatten()  # two blocks, both selected by _random_selection
     block_idx[short, 0] = torch.tensor([1, -1, -1], dtype=torch.int32, device=DEVICE)
-    q_idx = _randn(q.shape[0], 2, 16, dtype=torch.float32).requires_grad_()
-    k_idx = _randn(k.shape[0], 1, 16, dtype=torch.float32).requires_grad_()
-    q, k, v = (x.requires_grad_() for x in (q, k, v))
-    backend = _triton()
-    out, lse = backend.attention(q, k, v, block_idx, q_pos, q_kbase, block_size=16)
-    kl = backend.kl(q, k, lse, q_idx, k_idx, block_idx, q_pos, q_kbase, block_size=16)
-    dout = _randn(*out.shape, dtype=torch.float32)
-    grads = torch.autograd.grad((out, kl), (q, k, v, q_idx, k_idx), (dout, torch.ones_like(kl)))
-    leaves = [x.detach().double().requires_grad_() for x in (q, k, v, q_idx, k_idx)]
-    want, want_lse = ref.attention_core_reference(*leaves[:3], block_idx, q_pos, q_kbase,
-                                                  block_size=16)
-    want_kl = ref.kl_core_reference(leaves[0], leaves[1], leaves[3], leaves[4], block_idx, q_pos,
-                                    q_kbase, block_size=16)
-    want_grads = torch.autograd.grad((want, want_kl), leaves, (dout.double(),
-                                                               torch.ones_like(want_kl)))
-    assert rel_err(out, want) < TOL[torch.float32]
-    assert (lse.double() - want_lse).abs().max().item() < 1e-4
-    assert abs(kl.item() - want_kl.item()) <= 1e-4 * abs(want_kl.item())
-    for name, got, exp in zip(("q", "k", "v", "q_idx", "k_idx"), grads, want_grads):
-        assert rel_err(got, exp) < 2 * TOL[torch.float32], name
+    q_idx = _randn(q.shape[0], 2, 16, dtype=torch.float32)
+    k_idx = _randn(k.shape[0], 1, 16, dtype=torch.float32)
+    _assert_attention_and_kl_match_reference(q, k, v, q_idx, k_idx, block_idx, q_pos, q_kbase,
+                                             block_size=16)
 
 
 @pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
@@ -266,25 +274,11 @@ def test_chunks_and_key_subtiles_match_reference(monkeypatch):
     for module in (backward, kl_loss):
         monkeypatch.setattr(module, "KEY_SUBTILE", 16)
     q, k, v, q_pos, q_kbase = _attention_inputs([45, 0, 30], 4, 2, 2, 16, torch.float32, False)
-    q_idx = _randn(q.shape[0], 2, 16, dtype=torch.float32).requires_grad_()
-    k_idx = _randn(k.shape[0], 1, 16, dtype=torch.float32).requires_grad_()
+    q_idx = _randn(q.shape[0], 2, 16, dtype=torch.float32)
+    k_idx = _randn(k.shape[0], 1, 16, dtype=torch.float32)
     block_idx = _random_selection(q.shape[0], 2, 2, q_pos, 32)
-    q, k, v = (x.requires_grad_() for x in (q, k, v))
-    backend = _triton()
-    out, lse = backend.attention(q, k, v, block_idx, q_pos, q_kbase, block_size=32)
-    kl = backend.kl(q, k, lse, q_idx, k_idx, block_idx, q_pos, q_kbase, block_size=32)
-    dout = _randn(*out.shape, dtype=torch.float32)
-    grads = torch.autograd.grad((out, kl), (q, k, v, q_idx, k_idx), (dout, torch.ones_like(kl)))
-    leaves = [x.detach().double().requires_grad_() for x in (q, k, v, q_idx, k_idx)]
-    want, _ = ref.attention_core_reference(*leaves[:3], block_idx, q_pos, q_kbase, block_size=32)
-    want_kl = ref.kl_core_reference(leaves[0], leaves[1], leaves[3], leaves[4], block_idx, q_pos,
-                                    q_kbase, block_size=32)
-    want_grads = torch.autograd.grad((want, want_kl), leaves, (dout.double(),
-                                                               torch.ones_like(want_kl)))
-    assert rel_err(out, want) < TOL[torch.float32]
-    assert abs(kl.item() - want_kl.item()) <= 1e-4 * abs(want_kl.item())
-    for name, got, exp in zip(("q", "k", "v", "q_idx", "k_idx"), grads, want_grads):
-        assert rel_err(got, exp) < 2 * TOL[torch.float32], name
+    _assert_attention_and_kl_match_reference(q, k, v, q_idx, k_idx, block_idx, q_pos, q_kbase,
+                                             block_size=32)
 
 
 # ---------------------------------------------------------------- KL

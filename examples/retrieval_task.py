@@ -14,6 +14,19 @@ record, at least ``min_distance`` tokens (many key blocks) earlier; filler never
 so the match is exact (the standard multi-query associative recall probe, in long filler).
 Loss and exact match (every value token right, teacher-forced argmax) are measured on the
 answer tokens only. Everything is generated from a seed, with no download.
+
+Two record formats (``--record-format``):
+
+- ``pair`` (above): the record is the key token followed by the value token(s). Answering
+  needs a two-step circuit (a previous-token head that copies the key into the value's
+  position, then a head that matches the question's key there), which small models form only
+  after very many answered questions, in a sudden phase change.
+- ``fused``: the record is *one* token that names both, ``(key, value)``, from a vocabulary of
+  ``key_vocab * value_vocab`` record tokens after the value tokens; questions stay
+  ``key value``. One attention hop from the question's key to the record token answers it, so
+  the gradient teaches the match from the first step. This is the format for judging the index
+  branch: the question's attention must land on one token many blocks back, and the index must
+  select that token's block.
 """
 
 from __future__ import annotations
@@ -41,18 +54,36 @@ class RetrievalSpec:
     key_vocab: int = 256  # distinct key tokens
     value_vocab: int = 32  # distinct value tokens
     value_len: int = 1  # value tokens per record
+    record_format: str = "pair"  # "pair": key token, value token(s); "fused": one (key, value) token
 
     @property
     def record_len(self) -> int:
+        """Tokens of one record in the filler."""
+        return 1 if self.record_format == "fused" else 1 + self.value_len
+
+    @property
+    def question_len(self) -> int:
+        """Tokens of one question (the key, then the value tokens it is answered with)."""
         return 1 + self.value_len
 
     @property
     def vocab_size(self) -> int:
-        """Tokens the model must know: bytes, keys, values."""
-        return BYTE_VOCAB + self.key_vocab + self.value_vocab
+        """Tokens the model must know: bytes, keys, values (and fused record tokens)."""
+        fused = self.key_vocab * self.value_vocab if self.record_format == "fused" else 0
+        return BYTE_VOCAB + self.key_vocab + self.value_vocab + fused
+
+    def record_token(self, key: int, value: int) -> int:
+        """The fused record token of ``key`` (0-based) holding ``value`` (0-based)."""
+        return BYTE_VOCAB + self.key_vocab + self.value_vocab + key * self.value_vocab + value
 
     def check(self) -> None:
         """Raise ValueError when the records and questions cannot fit as asked."""
+        if self.record_format not in ("pair", "fused"):
+            raise ValueError(f"--record-format must be 'pair' or 'fused', got "
+                             f"{self.record_format!r}")
+        if self.record_format == "fused" and self.value_len != 1:
+            raise ValueError(f"--record-format fused needs one value token per record, "
+                             f"got value_len={self.value_len}")
         if min(self.pairs, self.queries, self.value_len, self.key_vocab, self.value_vocab) < 1:
             raise ValueError("--pairs, --queries, value length and vocabularies must be >= 1")
         if self.queries > self.pairs:
@@ -60,7 +91,7 @@ class RetrievalSpec:
         if self.pairs > self.key_vocab:
             raise ValueError(f"--pairs ({self.pairs}) needs as many distinct keys; "
                              f"--key-vocab is {self.key_vocab}")
-        room = self.length - self.queries * self.record_len - self.min_distance
+        room = self.length - self.queries * self.question_len - self.min_distance
         if room < self.pairs * self.record_len:
             raise ValueError(
                 f"a {self.length}-token sequence cannot hold {self.pairs} records and "
@@ -97,20 +128,21 @@ def make_sequence(spec: RetrievalSpec, filler: Iterator[int], rng: random.Random
     tokens = list(itertools.islice(filler, spec.length))
     if len(tokens) < spec.length:
         raise ValueError(f"the filler ran out after {len(tokens)} of {spec.length} tokens")
-    rl = spec.record_len
+    rl, ql = spec.record_len, spec.question_len
     # Questions fill the end; records go at distinct, non-overlapping random slots before
     # ``limit``, so every question is at least min_distance tokens after its record.
-    query_start = spec.length - spec.queries * rl
+    query_start = spec.length - spec.queries * ql
     limit = query_start - spec.min_distance
     starts = [slot * rl for slot in sorted(rng.sample(range(limit // rl), spec.pairs))]
     for start, key, value in zip(starts, keys, values):
-        tokens[start:start + rl] = [BYTE_VOCAB + key] + value
+        tokens[start:start + rl] = ([spec.record_token(key, value[0] - value_base)]
+                                    if spec.record_format == "fused" else [BYTE_VOCAB + key] + value)
     answer_pos: List[int] = []
     answer_query: List[int] = []
     spans: List[List[int]] = []
     for q, record in enumerate(rng.sample(range(spec.pairs), spec.queries)):
-        start = query_start + q * rl
-        tokens[start:start + rl] = [BYTE_VOCAB + keys[record]] + values[record]
+        start = query_start + q * ql
+        tokens[start:start + ql] = [BYTE_VOCAB + keys[record]] + values[record]
         answer_pos.extend(range(start, start + spec.value_len))  # key predicts value 0, ...
         answer_query.extend([q] * spec.value_len)
         spans.append([starts[record], starts[record] + rl - 1])
@@ -130,7 +162,7 @@ def scaled(spec: RetrievalSpec, length: int, question_every: int = 16) -> Retrie
     short = RetrievalSpec(length=length, pairs=max(queries, round(spec.pairs * ratio)),
                           queries=queries, min_distance=round(spec.min_distance * ratio),
                           key_vocab=spec.key_vocab, value_vocab=spec.value_vocab,
-                          value_len=spec.value_len)
+                          value_len=spec.value_len, record_format=spec.record_format)
     short.check()
     return short
 
@@ -196,6 +228,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--queries", type=int, default=32, help="questions per sequence")
     group.add_argument("--key-vocab", type=int, default=256, help="distinct key tokens")
     group.add_argument("--value-vocab", type=int, default=32, help="distinct value tokens")
+    group.add_argument("--record-format", choices=("pair", "fused"), default="pair",
+                       help="pair: a record is a key token then a value token (answering needs a "
+                            "two-step induction circuit); fused: one token names key and value "
+                            "(one attention hop answers; see the module docstring)")
     group.add_argument("--min-distance", type=int, default=1024,
                        help="tokens between a record and its question, at least")
     group.add_argument("--answer-weight", type=float, default=64.0,
@@ -209,7 +245,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def spec_from_args(args: argparse.Namespace) -> RetrievalSpec:
     return RetrievalSpec(length=args.task_len, pairs=args.pairs, queries=args.queries,
                          min_distance=args.min_distance, key_vocab=args.key_vocab,
-                         value_vocab=args.value_vocab)
+                         value_vocab=args.value_vocab,
+                         record_format=getattr(args, "record_format", "pair"))
 
 
 def exact_match(correct_per_query: Sequence[int], value_len: int) -> float:

@@ -43,6 +43,35 @@ def test_sequences_hold_records_and_questions():
                        for t in tokens[first + 1:last + 1])
 
 
+def test_fused_records_answer_in_one_hop():
+    """Fused format: each record is one token naming (key, value); the question's key and its
+    label (the value) are determined by exactly one earlier record token of the sequence."""
+    spec = retrieval_task.RetrievalSpec(**{**SPEC.__dict__, "record_format": "fused"})
+    assert spec.vocab_size == 256 + 40 + 9 + 40 * 9 and spec.record_len == 1
+    first_record = 256 + spec.key_vocab + spec.value_vocab
+    seqs = retrieval_task.sequences(spec, iter([b"x" * 10 ** 6]), seed=5)
+    for _ in range(5):
+        s = next(seqs)
+        tokens = s.tokens.tolist()
+        records = {(t - first_record) // spec.value_vocab: (t - first_record) % spec.value_vocab
+                   for t in tokens if first_record <= t < spec.vocab_size}
+        assert len(records) == spec.pairs
+        assert sum(first_record <= t for t in tokens) == spec.pairs  # one token per record
+        for q, (first, last) in enumerate(s.record_span):
+            answer = s.answer_pos[q]
+            assert first == last and first_record <= tokens[first] < spec.vocab_size
+            key = tokens[answer] - 256
+            assert 0 <= key < spec.key_vocab
+            assert tokens[first] == spec.record_token(key, records[key])
+            assert tokens[answer + 1] == 256 + spec.key_vocab + records[key]  # the label
+            assert answer - last >= spec.min_distance
+    with pytest.raises(ValueError, match="one value token"):
+        retrieval_task.RetrievalSpec(**{**SPEC.__dict__, "record_format": "fused",
+                                        "value_len": 2}).check()
+    with pytest.raises(ValueError, match="record-format"):
+        retrieval_task.RetrievalSpec(**{**SPEC.__dict__, "record_format": "triple"}).check()
+
+
 def test_generator_is_seeded():
     a = next(retrieval_task.sequences(SPEC, iter([b"y" * 10 ** 5]), seed=7))
     b = next(retrieval_task.sequences(SPEC, iter([b"y" * 10 ** 5]), seed=7))

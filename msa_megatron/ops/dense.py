@@ -7,9 +7,16 @@ dtypes or head dims). The KL pass then reads that LSE unchanged.
 
 Routes (CUDA only, tried in this order; ``MSA_DENSE_BACKEND`` picks one):
 
-- ``cudnn``: ``aten._cudnn_attention_forward/backward`` on packed THD with ``cu_seqlens``
-  (native GQA). Its backward is not deterministic (PyTorch says so when deterministic
-  algorithms are enabled, and offers no deterministic mode).
+- ``cudnn``: ``aten._scaled_dot_product_cudnn_attention`` and its ``_backward`` (the pair
+  PyTorch's own autograd uses for ``F.scaled_dot_product_attention`` on cuDNN) on a
+  ``[B, H, S, D]`` view of the packed ``[T, H, D]`` tensors (BSHD memory, no copy), native GQA.
+  Only for layouts whose sequences all have the same length (``B`` sequences of ``S`` tokens;
+  one sequence is the common case); other layouts take the next route. Not the varlen (THD,
+  ``cum_seq``) entry: in PyTorch 2.11 ``aten._cudnn_attention_backward`` sizes cuDNN's dQ
+  accumulator from ``query.size(2)``, the head dim of a THD tensor, instead of ``max_q``
+  (pytorch/pytorch PR 186142), so dQ is garbage (or an illegal address) once a sequence is
+  longer than the head dim. Its backward is not deterministic (PyTorch says so when
+  deterministic algorithms are enabled, and offers no deterministic mode).
 - ``flash``: ``aten._flash_attention_forward/backward`` (FlashAttention-2, varlen, native GQA).
   Its backward is deterministic when asked (the dQ accumulation is split and summed in a fixed
   order; PyTorch enables that under ``torch.use_deterministic_algorithms(True)``, which this
@@ -46,21 +53,35 @@ _PROBE_TOL = {torch.float16: 2e-2, torch.bfloat16: 5e-2}  # relative (norm) erro
 
 class Sequences(NamedTuple):
     """Packed THD layout of a standard (non-CP) call: ``cu_seqlens [n+1]`` int32 on the device
-    (zero-length sequences dropped) and the longest sequence."""
+    (zero-length sequences dropped), the longest and the shortest sequence (``min_len`` 0:
+    unknown)."""
 
     cu_seqlens: torch.Tensor
     max_len: int
+    min_len: int = 0
+
+    @property
+    def uniform(self) -> bool:
+        """All sequences have the same length (``max_len``), so the packed tensors are
+        ``[B, S, ...]`` with ``S = max_len``."""
+        return self.min_len == self.max_len > 0
 
 
 class Route(NamedTuple):
     """A vendor dense attention: ``forward(q, k, v, seqs, scale) -> (out [T, Hq, D],
     lse [T, Hq] fp32)`` and ``backward(dout, q, k, v, out, lse, seqs, scale, deterministic)
-    -> (dq, dk, dv)``; ``deterministic_backward``: whether ``backward(..., True)`` is."""
+    -> (dq, dk, dv)``; ``deterministic_backward``: whether ``backward(..., True)`` is;
+    ``accepts(seqs) -> bool``: the layouts it takes (None: every standard layout)."""
 
     name: str
     forward: Callable
     backward: Callable
     deterministic_backward: bool
+    accepts: Optional[Callable[[Sequences], bool]] = None
+
+    def takes(self, seqs: Optional[Sequences]) -> bool:
+        """Whether this route takes the layout ``seqs`` (None: not known yet, assume so)."""
+        return seqs is None or self.accepts is None or bool(self.accepts(seqs))
 
 
 _NATIVE_LSE: Dict[str, tuple] = {}  # route -> (leading 1, heads first, trailing 1s) seen
@@ -114,20 +135,72 @@ def _seed_pair(device) -> Tuple[torch.Tensor, torch.Tensor]:
             torch.zeros((), dtype=torch.int64, device=device))
 
 
+def _cudnn_ops():
+    """The cuDNN route's two ATen operators: PyTorch's cuDNN SDPA forward and backward (dense
+    ``[B, H, S, D]`` entry, ``cum_seq`` undefined). Looked up per call (tests replace this)."""
+    return (torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+            torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default)
+
+
+def _cudnn_takes(seqs: Sequences) -> bool:
+    return seqs.uniform
+
+
+def _bhsd(t: torch.Tensor, S: int) -> torch.Tensor:
+    """A contiguous packed ``[B*S, H, D]`` tensor as the ``[B, H, S, D]`` view cuDNN takes
+    (BSHD memory: strides ``(S*H*D, D, H*D, 1)``, the layout PyTorch's SDPA passes for
+    ``x.transpose(1, 2)`` of ``[B, S, H, D]``); no copy."""
+    T, H, D = t.shape
+    return t.view(T // S, S, H, D).transpose(1, 2)
+
+
+def _from_bhsd(t: torch.Tensor, shape) -> torch.Tensor:
+    """A ``[B, H, S, D]`` result back to packed ``[T, H, D]`` (a view when it has BSHD memory,
+    which cuDNN gives outputs and gradients of BSHD inputs)."""
+    return t.transpose(1, 2).reshape(shape).contiguous()
+
+
 def _cudnn_forward(q, k, v, seqs: Sequences, scale: float):
-    res = torch.ops.aten._cudnn_attention_forward(
-        q, k, v, None, seqs.cu_seqlens, seqs.cu_seqlens, seqs.max_len, seqs.max_len, True, 0.0,
-        True, False, scale=scale)
-    return res[0], _lse_to_th("cudnn", res[1], q.shape[0], q.shape[1])
+    if not seqs.uniform:
+        raise ValueError(f"cuDNN route: sequences of unequal lengths (max {seqs.max_len}, "
+                         f"min {seqs.min_len}) are not taken")
+    fwd, _ = _cudnn_ops()
+    S = seqs.max_len
+    res = fwd(_bhsd(q, S), _bhsd(k, S), _bhsd(v, S), None, True, 0.0, True, False, scale=scale)
+    out, lse = _from_bhsd(res[0], q.shape), res[1]
+    trailing = 0
+    while lse.dim() > 3 and lse.shape[-1] == 1:  # [B, Hq, S] or [B, Hq, S, 1]
+        lse, trailing = lse.squeeze(-1), trailing + 1
+    B, Hq = q.shape[0] // S, q.shape[1]
+    if tuple(lse.shape) != (B, Hq, S):
+        raise RuntimeError(f"cuDNN route: unexpected LSE shape {tuple(res[1].shape)} for "
+                           f"B={B}, Hq={Hq}, S={S}")
+    _NATIVE_LSE["cudnn"] = (False, True, trailing)
+    return out, lse.transpose(1, 2).reshape(q.shape[0], Hq).float().contiguous()
 
 
 def _cudnn_backward(dout, q, k, v, out, lse, seqs: Sequences, scale: float, deterministic):
-    seed, offset = _seed_pair(q.device)
-    native = _lse_from_th("cudnn", lse)
-    dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
-        dout.contiguous(), q, k, v, out, native, seed, offset, None, seqs.cu_seqlens,
-        seqs.cu_seqlens, seqs.max_len, seqs.max_len, 0.0, True, scale=scale)
-    return dq, dk, dv
+    """cuDNN SDPA backward on the ``[B, H, S, D]`` views, as PyTorch's autograd calls it: the
+    forward's LSE layout back (``[B, Hq, S]`` fp32 contiguous, plus the trailing 1s the forward
+    had), ``grad_out`` and ``out`` in the same memory layout as the forward's output, no
+    attn_bias (None: undefined), ``cum_seq`` undefined (the dense entry), ``max_q = max_k = S``
+    (the dense entry reads s_q/s_kv from them), dropout 0 (seed/offset never read).
+    Not deterministic (``deterministic`` cannot change that)."""
+    if not seqs.uniform:
+        raise ValueError(f"cuDNN route: sequences of unequal lengths (max {seqs.max_len}, "
+                         f"min {seqs.min_len}) are not taken")
+    _, bwd = _cudnn_ops()
+    S = seqs.max_len
+    T, Hq = lse.shape
+    native = lse.view(T // S, S, Hq).transpose(1, 2).contiguous()
+    for _ in range(_NATIVE_LSE.get("cudnn", (False, True, 0))[2]):
+        native = native.unsqueeze(-1)
+    seed = torch.zeros((), dtype=torch.int64, device=q.device)
+    offset = torch.zeros((), dtype=torch.int64, device=q.device)
+    dq, dk, dv = bwd(_bhsd(dout.contiguous(), S), _bhsd(q, S), _bhsd(k, S), _bhsd(v, S),
+                     _bhsd(out, S), native, seed, offset, None, None, None, S, S, 0.0, True,
+                     scale=scale)
+    return _from_bhsd(dq, q.shape), _from_bhsd(dk, k.shape), _from_bhsd(dv, v.shape)
 
 
 def _flash_forward(q, k, v, seqs: Sequences, scale: float):
@@ -148,7 +221,8 @@ def _flash_backward(dout, q, k, v, out, lse, seqs: Sequences, scale: float, dete
 
 
 ROUTES: Dict[str, Route] = {
-    "cudnn": Route("cudnn", _cudnn_forward, _cudnn_backward, deterministic_backward=False),
+    "cudnn": Route("cudnn", _cudnn_forward, _cudnn_backward, deterministic_backward=False,
+                   accepts=_cudnn_takes),
     "flash": Route("flash", _flash_forward, _flash_backward, deterministic_backward=True),
 }
 _PROBED: Dict[tuple, Optional[str]] = {}  # (route, device, dtype, D, gqa) -> None if ok else why
@@ -174,7 +248,8 @@ def standard_sequences(q_pos: torch.Tensor, q_kbase: torch.Tensor, total_k: int
     """The packed sequences of a standard layout, or None for the general (CP) layout.
 
     Standard: as many query rows as key rows and query ``t`` at key row ``t``
-    (``q_kbase + q_pos == t``). Reads the layout on the host (two synchronisations).
+    (``q_kbase + q_pos == t``). Reads the layout on the host (two synchronisations); the
+    result carries the longest and the shortest sequence.
     """
     total = q_pos.shape[0]
     if total != total_k or total == 0:
@@ -184,8 +259,9 @@ def standard_sequences(q_pos: torch.Tensor, q_kbase: torch.Tensor, total_k: int
         return None
     starts = torch.nonzero(q_pos == 0).flatten()
     bounds = torch.cat([starts, starts.new_tensor([total])])
-    max_len = int((bounds[1:] - bounds[:-1]).max().item())
-    return Sequences(bounds.to(torch.int32).contiguous(), max_len)
+    lengths = bounds[1:] - bounds[:-1]
+    max_len, min_len = (int(n) for n in torch.stack([lengths.max(), lengths.min()]).tolist())
+    return Sequences(bounds.to(torch.int32).contiguous(), max_len, min_len)
 
 
 def _supported(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -211,15 +287,27 @@ def _probe(route: Route, q: torch.Tensor, k: torch.Tensor) -> Optional[str]:
     return why
 
 
+def _probe_lengths(route: Route, D: int) -> list:
+    """The probe's packed sequences: a zero-length and a length-1 one among others, the longest
+    longer than the head dim (a vendor call that confuses the two fails), odd lengths (partial
+    tiles); equal lengths for a route that takes only those."""
+    longest = max(186, D + 61)
+    varlen = [70, 1, 0, longest]
+    seqs = Sequences(torch.zeros(4, dtype=torch.int32), longest, 1)
+    return varlen if route.takes(seqs) else [longest, longest]
+
+
 def _check_route(route: Route, device, dtype, D: int, group: int) -> Optional[str]:
     gen = torch.Generator(device="cpu").manual_seed(12)
-    lengths = [70, 1, 0, 186]
+    lengths = _probe_lengths(route, D)
     T, Hkv = sum(lengths), 2
     Hq = Hkv * group
     q, k, v, dout = (torch.randn(T, h, D, generator=gen).to(device, dtype)
                      for h in (Hq, Hkv, Hkv, Hq))
     cu = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
-    seqs = Sequences(torch.unique_consecutive(cu).to(device, torch.int32), max(lengths))
+    present = [n for n in lengths if n > 0]
+    seqs = Sequences(torch.unique_consecutive(cu).to(device, torch.int32), max(present),
+                     min(present))
     scale = D ** -0.5
     out, lse = route.forward(q, k, v, seqs, scale)
     dq, dk, dv = route.backward(dout, q, k, v, out, lse, seqs, scale, route.deterministic_backward)
@@ -279,22 +367,25 @@ def _math_reference(q, k, v, dout, cu, scale):
     return out, lse, dq, dk, dv
 
 
-def forward_route(q: torch.Tensor, k: torch.Tensor) -> Optional[Route]:
-    """The route for the dense forward of these inputs (None: use our kernels)."""
+def forward_route(q: torch.Tensor, k: torch.Tensor, seqs: Optional[Sequences] = None
+                  ) -> Optional[Route]:
+    """The route for the dense forward of these inputs (None: use our kernels); with ``seqs``,
+    only a route that takes that layout (:attr:`Route.accepts`)."""
     setting = backend_setting()
     if setting == "kernels" or not _supported(q, k):
         return None
     names = ("cudnn", "flash") if setting == "auto" else (setting,)
     for name in names:
-        if _probe(ROUTES[name], q, k) is None:
+        if ROUTES[name].takes(seqs) and _probe(ROUTES[name], q, k) is None:
             return ROUTES[name]
     return None
 
 
-def backward_route(q: torch.Tensor, k: torch.Tensor) -> Tuple[Optional[Route], bool]:
+def backward_route(q: torch.Tensor, k: torch.Tensor, seqs: Optional[Sequences] = None
+                   ) -> Tuple[Optional[Route], bool]:
     """``(route, deterministic)`` for the dense backward (route None: use our kernels, which
     are deterministic). With a deterministic backward wanted, only a route whose backward can
-    be deterministic is taken."""
+    be deterministic is taken; with ``seqs``, only a route that takes that layout."""
     setting = backend_setting()
     if setting == "kernels" or not _supported(q, k):
         return None, True
@@ -304,7 +395,7 @@ def backward_route(q: torch.Tensor, k: torch.Tensor) -> Tuple[Optional[Route], b
         route = ROUTES[name]
         if deterministic and not route.deterministic_backward:
             continue
-        if _probe(route, q, k) is None:
+        if route.takes(seqs) and _probe(route, q, k) is None:
             return route, deterministic
     return None, True
 
@@ -336,15 +427,15 @@ def dense_forward(q, k, v, q_pos, q_kbase, softmax_scale: float):
     """``(out [T, Hq, D], lse [T, Hq] fp32)`` from a vendor route, or None when none applies
     (caller runs its own kernels). Inputs as in the backend contract (``block_idx=None``);
     inputs holding NaN/Inf never take a vendor route (:func:`_all_finite`)."""
-    seqs = None
+    if forward_route(q, k) is None:  # nothing to use whatever the layout: no host sync
+        return None
+    seqs = standard_sequences(q_pos, q_kbase, k.shape[0])
+    if seqs is None or not _all_finite(q, k, v):
+        return None
     while True:
-        route = forward_route(q, k)
+        route = forward_route(q, k, seqs)
         if route is None:
             return None
-        if seqs is None:
-            seqs = standard_sequences(q_pos, q_kbase, k.shape[0])
-            if seqs is None or not _all_finite(q, k, v):
-                return None
         try:
             return route.forward(q.contiguous(), k.contiguous(), v.contiguous(), seqs,
                                  float(softmax_scale))
@@ -355,15 +446,15 @@ def dense_forward(q, k, v, q_pos, q_kbase, softmax_scale: float):
 def dense_backward(dout, q, k, v, out, lse, q_pos, q_kbase, softmax_scale: float):
     """``(dq, dk, dv)`` from a vendor route, or None (caller runs its own kernels, which take
     any route's ``out`` and ``lse``); NaN/Inf in q, k, v or dout never take a vendor route."""
-    seqs = None
+    if backward_route(q, k)[0] is None:  # nothing to use whatever the layout: no host sync
+        return None
+    seqs = standard_sequences(q_pos, q_kbase, k.shape[0])
+    if seqs is None or not _all_finite(q, k, v, dout):
+        return None
     while True:
-        route, deterministic = backward_route(q, k)
+        route, deterministic = backward_route(q, k, seqs)
         if route is None:
             return None
-        if seqs is None:
-            seqs = standard_sequences(q_pos, q_kbase, k.shape[0])
-            if seqs is None or not _all_finite(q, k, v, dout):
-                return None
         try:
             return route.backward(dout, q.contiguous(), k.contiguous(), v.contiguous(),
                                   out.contiguous(), lse, seqs, float(softmax_scale),

@@ -309,3 +309,190 @@ def test_probe_inside_the_custom_op_accepts_the_routes(fake_routes, monkeypatch,
     assert dense.route_report(x["q"], x["k"])["refused"] == {}
     for name, a, b in zip(("out", "kl") + NAMES, routed, ours):
         assert_close(a, b, 1e-5, name)
+
+
+# ---------------------------------------------------------------- the cuDNN route's call
+class FakeCudnn:
+    """Stand-ins for ``aten._scaled_dot_product_cudnn_attention`` and its ``_backward`` that
+    check what PyTorch 2.11's cuDNN SDPA needs (so a wrong call fails here, not silently on the
+    GPU) and compute the attention in fp32 on the CPU:
+
+    - q/k/v/out/grad_out 4-D ``[B, H, S, D]`` views with BSHD memory (strides
+      ``(S*H*D, D, H*D, 1)``), native GQA (fewer K/V heads), grad_out and out laid out alike;
+    - forward: no attn_bias, ``compute_log_sumexp=True``, dropout 0, causal, the scale given;
+      returns out in BSHD memory (as cuDNN allocates it) and the LSE ``[B, Hq, S]`` fp32 (with
+      ``trailing`` extra 1s);
+    - backward: the forward's LSE layout back (same shape, contiguous fp32), attn_bias and
+      ``cum_seq_q/k`` undefined (None: the dense entry; the THD entry is broken in 2.11),
+      ``max_q = max_k = S``, dropout 0, causal; the gradients use the LSE it is given, so an
+      LSE in the wrong order gives wrong gradients.
+    """
+
+    def __init__(self, trailing=0, dq_factor=1.0):
+        self.trailing, self.dq_factor = trailing, dq_factor
+        self.calls = []
+        self.lse_shape = None
+
+    @staticmethod
+    def _check_bshd(name, t, heads=None):
+        B, H, S, D = t.shape
+        assert t.dim() == 4, name
+        assert t.stride() == (S * H * D, D, H * D, 1), (name, t.shape, t.stride())
+        if heads is not None:
+            assert H == heads, (name, H, heads)
+
+    @staticmethod
+    def _scores(q, k, scale):
+        G = q.shape[1] // k.shape[1]
+        s = torch.matmul(q.float(), k.float().repeat_interleave(G, 1).transpose(-1, -2)) * scale
+        S = q.shape[2]
+        causal = torch.ones(S, S, dtype=torch.bool).tril()
+        return s.masked_fill(~causal, float("-inf")), G
+
+    def forward(self, query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0,
+                is_causal=False, return_debug_mask=False, *, scale=None):
+        self.calls.append("fwd")
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            self._check_bshd(name, t)
+        assert key.shape[1] == value.shape[1] < query.shape[1] or key.shape[1] == query.shape[1]
+        assert attn_bias is None and compute_log_sumexp is True and dropout_p == 0.0
+        assert is_causal is True and return_debug_mask is False and scale is not None
+        s, G = self._scores(query, key, scale)
+        lse = torch.logsumexp(s, -1)  # [B, Hq, S]
+        o = torch.matmul(torch.exp(s - lse[..., None]),
+                         value.float().repeat_interleave(G, 1))
+        B, H, S, D = query.shape
+        out = torch.empty(B, S, H, D, dtype=query.dtype).transpose(1, 2)
+        out.copy_(o)
+        for _ in range(self.trailing):
+            lse = lse.unsqueeze(-1)
+        self.lse_shape = tuple(lse.shape)
+        empty = torch.empty(0)
+        return (out, lse.contiguous(), empty, empty, S, S, torch.zeros((), dtype=torch.int64),
+                torch.zeros((), dtype=torch.int64), empty)
+
+    def backward(self, grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset,
+                 attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, *,
+                 scale=None):
+        self.calls.append("bwd")
+        for name, t in (("grad_out", grad_out), ("query", query), ("key", key),
+                        ("value", value), ("out", out)):
+            self._check_bshd(name, t)
+        assert grad_out.stride() == out.stride()
+        assert tuple(logsumexp.shape) == self.lse_shape, (logsumexp.shape, self.lse_shape)
+        assert logsumexp.dtype == torch.float32 and logsumexp.is_contiguous()
+        assert attn_bias is None and cum_seq_q is None and cum_seq_k is None
+        B, H, S, D = query.shape
+        assert max_q == max_k == S and dropout_p == 0.0 and is_causal is True
+        assert scale is not None
+        lse = logsumexp
+        for _ in range(self.trailing):
+            lse = lse.squeeze(-1)
+        s, G = self._scores(query, key, scale)
+        p = torch.exp(s - lse[..., None])
+        ke, ve = (t.float().repeat_interleave(G, 1) for t in (key, value))
+        do, o = grad_out.float(), out.float()
+        dv = torch.matmul(p.transpose(-1, -2), do)
+        ds = p * (torch.matmul(do, ve.transpose(-1, -2)) - (do * o).sum(-1, keepdim=True))
+        dq = torch.matmul(ds, ke) * scale * self.dq_factor
+        dk = torch.matmul(ds.transpose(-1, -2), query.float()) * scale
+        Hkv = key.shape[1]
+        dk, dv = (g.view(B, Hkv, G, S, D).sum(2) for g in (dk, dv))
+        grads = []
+        for g, like in ((dq, query), (dk, key), (dv, value)):  # empty_like keeps BSHD memory
+            res = torch.empty(B, S, like.shape[1], D, dtype=like.dtype).transpose(1, 2)
+            grads.append(res.copy_(g))
+        return tuple(grads)
+
+
+def _packed(lengths, hq=4, hkv=2, d=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+    q, dout = (torch.randn(T, hq, d, generator=gen) for _ in range(2))
+    k, v = (torch.randn(T, hkv, d, generator=gen) for _ in range(2))
+    cu = torch.tensor([0] + list(lengths), dtype=torch.int32).cumsum(0).to(torch.int32)
+    seqs = dense.standard_sequences(*query_layout(cu, T, cu.device), T)
+    return q, k, v, dout, cu, seqs
+
+
+@pytest.mark.parametrize("lengths", [(77,), (40, 40, 40)])
+@pytest.mark.parametrize("trailing", [0, 1])
+def test_cudnn_route_call_matches_fp32_math(monkeypatch, lengths, trailing):
+    """The cuDNN route builds the dense-entry call (BSHD views, LSE layout back, no cum_seq,
+    max_q = max_k = S): its out, LSE and gradients equal fp32 math, one sequence or several of
+    equal length, GQA, whether the LSE has a trailing 1 or not."""
+    fake = FakeCudnn(trailing=trailing)
+    monkeypatch.setattr(dense, "_cudnn_ops", lambda: (fake.forward, fake.backward))
+    q, k, v, dout, cu, seqs = _packed(lengths)
+    assert seqs.uniform and seqs.max_len == lengths[0]
+    route = dense.ROUTES["cudnn"]
+    scale = 0.3
+    out, lse = route.forward(q, k, v, seqs, scale)
+    dq, dk, dv = route.backward(dout, q, k, v, out, lse, seqs, scale, False)
+    assert fake.calls == ["fwd", "bwd"]
+    want = dense._math_reference(q, k, v, dout, cu.tolist(), scale)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), want):
+        assert a.shape == b.shape and a.is_contiguous(), name
+        assert_close(a, b, 1e-5, name)
+
+
+def test_cudnn_route_takes_equal_lengths_only(monkeypatch):
+    """Sequences of unequal lengths never reach cuDNN (its THD entry is broken in PyTorch
+    2.11); the route says so and raises if called anyway."""
+    fake = FakeCudnn()
+    monkeypatch.setattr(dense, "_cudnn_ops", lambda: (fake.forward, fake.backward))
+    route = dense.ROUTES["cudnn"]
+    q, k, v, dout, cu, seqs = _packed((30, 1, 50))
+    assert not seqs.uniform and (seqs.max_len, seqs.min_len) == (50, 1)
+    assert not route.takes(seqs) and route.takes(None)
+    with pytest.raises(ValueError, match="unequal lengths"):
+        route.forward(q, k, v, seqs, 0.25)
+    assert fake.calls == []
+    assert dense.ROUTES["flash"].takes(seqs)
+    # the probe gives the route equal lengths, longer than the head dim
+    assert dense._probe_lengths(route, 128) == [189, 189]
+    assert dense._probe_lengths(dense.ROUTES["flash"], 128) == [70, 1, 0, 189]
+
+
+def test_cudnn_route_probe_accepts_it_and_refuses_a_wrong_dq(monkeypatch):
+    """The probe runs the cuDNN route on equal lengths and passes it; a backward with a wrong
+    dQ (what PyTorch 2.11's THD entry gives) is refused with the reason."""
+    monkeypatch.setitem(dense._PROBE_TOL, torch.float32, 1e-4)
+    monkeypatch.setattr(dense, "_PROBED", {})
+    fake = FakeCudnn()
+    monkeypatch.setattr(dense, "_cudnn_ops", lambda: (fake.forward, fake.backward))
+    q, k = torch.zeros(4, 4, 16), torch.zeros(4, 2, 16)
+    assert dense._probe(dense.ROUTES["cudnn"], q, k) is None
+    assert fake.calls == ["fwd", "bwd"]
+    monkeypatch.setattr(dense, "_PROBED", {})
+    wrong = FakeCudnn(dq_factor=1e6)
+    monkeypatch.setattr(dense, "_cudnn_ops", lambda: (wrong.forward, wrong.backward))
+    with pytest.warns(RuntimeWarning, match="'cudnn' not used"):
+        why = dense._probe(dense.ROUTES["cudnn"], q, k)
+    assert why.startswith("dq relative error")
+
+
+@pytest.mark.parametrize("lengths, cudnn_used", [((48, 48), True), ((23, 0, 41), False)])
+def test_dense_mode_takes_cudnn_for_equal_lengths(fake_routes, monkeypatch, seed, lengths,
+                                                  cudnn_used):
+    """Through the public op (the probes and calls inside the custom op): equal lengths run
+    the cuDNN call forward (and backward when non-deterministic is allowed), unequal lengths
+    the next route; results equal our kernels' either way."""
+    x = make_inputs(lengths, heads=4, kv_heads=2, index_heads=2, index_key_heads=1,
+                    dtype=torch.float32, seed=seed)
+    monkeypatch.setenv(dense.BACKEND_ENV, "kernels")
+    ours = _run(x)
+    monkeypatch.delenv(dense.BACKEND_ENV)
+    rec = fake_routes()
+    fake = FakeCudnn()
+    monkeypatch.setattr(dense, "_cudnn_ops", lambda: (fake.forward, fake.backward))
+    monkeypatch.setitem(dense.ROUTES, "cudnn", dense.Route(
+        "cudnn", dense._cudnn_forward, dense._cudnn_backward, False, dense._cudnn_takes))
+    monkeypatch.setenv(dense.DETERMINISTIC_ENV, "0")
+    routed = _run(x)
+    probe = ["fwd", "bwd"]
+    assert fake.calls == probe + (["fwd", "bwd"] if cudnn_used else [])
+    flash_calls = [c for c in rec.calls if c[0] == "flash"]
+    assert (flash_calls == []) == cudnn_used, rec.calls
+    for name, a, b in zip(("out", "kl") + NAMES, routed, ours):
+        assert_close(a, b, 1e-5, name)

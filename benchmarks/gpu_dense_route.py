@@ -387,6 +387,9 @@ def timing(run: Run, cfg, device, dtype, t, baselines: bool):
             n: bool(torch.equal(a, b)) for n, a, b in zip(GRADS, first[:5], second[:5])}
     except Exception as err:  # noqa: BLE001
         summary["route_cudnn_bitwise_repeat"] = f"{type(err).__name__}: {err}"[:500]
+    print(f"summary T={t}: vs cudnn_fwd_bwd {summary['vs_cudnn_fwd_bwd']}", flush=True)
+    print(f"cudnn backward bitwise repeat at T={t}: {summary['route_cudnn_bitwise_repeat']}",
+          flush=True)
     run.section(f"timing_{t}", summary)
 
 

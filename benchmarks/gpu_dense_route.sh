@@ -15,5 +15,6 @@ mkdir -p "$OUT"
 timeout "${LIMIT:-225}" python3 benchmarks/gpu_dense_route.py "$OUT/dense_route_h200.json" \
     --budget "${BUDGET:-195}" --t-time "${TTIME:-32768}" > "$OUT/dense_route.log" 2>&1
 echo "exit $?"
-grep -a "^meta\|^probe \|^variant \|^thd \|^op \|^row \|^-- \|^== timing" "$OUT/dense_route.log" \
+grep -a "^meta\|^probe \|^variant \|^thd \|^op \|^row \|^-- \|^summary \|^cudnn backward" \
+    "$OUT/dense_route.log" \
     | cut -c1-700

@@ -7,7 +7,7 @@
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" runs
 . benchmarks/gpu_env.sh
 SEQ=${SEQ:-65536}; STEPS=${STEPS:-30}; DEVICE=${DEVICE:-cuda}
-C="--device $DEVICE --runs msa --no-baseline --warmup-steps 2 --steps $STEPS --seq-len $SEQ --layers 4 --hidden 1024 --ffn-hidden 2816 --heads 8 --query-groups 2 --block-size 128 --top-k 16 --index-head-dim 64 --log-interval 10 --eval-windows 1 ${EXTRA:-}"
+C="--device $DEVICE --runs msa --no-baseline --warmup-steps 2 --steps $STEPS --seq-len $SEQ --layers 4 --hidden 1024 --ffn-hidden 2816 --heads 8 --query-groups 2 --block-size 128 --top-k 16 --index-head-dim 128 --log-interval 10 --eval-windows 1 ${EXTRA:-}"
 for p in 1 0; do
     MASTER_PORT=$((29640 + p)) timeout ${LANE_S:-200} python3 examples/pretrain_tiny.py $C --probe-interval $p --out-dir runs/recall_cost_p$p > runs/recall_cost_p$p.log 2>&1
     echo "probe-interval $p: $(grep -E "step +[0-9]+/$STEPS" runs/recall_cost_p$p.log | grep -v -i warn | tail -n 1)"

@@ -128,26 +128,28 @@ def selection_recall(
     heads_per_index = Hq // Hi
     recall = torch.zeros(rows.numel(), Hi, dtype=torch.float32, device=q.device)
     pos64, base64 = pos.to(torch.int64), base.to(torch.int64)
-    # Chunks of rows: scores [R_c, Hq, L] fp32 with L = the longest prefix in the chunk.
-    longest = int(pos64.max()) + 1 if rows.numel() else 1
-    per_chunk = max(1, _TEACHER_BYTES // (4 * (Hq + Hkv * D) * longest))
-    for start in range(0, rows.numel(), per_chunk):
-        sl = slice(start, start + per_chunk)
-        p, b, sel = pos64[sl], base64[sl], block_idx[sl].to(torch.int64)
-        length = int(p.max()) + 1
+    # Rows of one sequence share its keys: per sequence start, the keys of the longest sampled
+    # prefix are read once (a slice, no per-row gather) and the rows go through in chunks of
+    # fp32 scores [R_c, Hq, L] within _TEACHER_BYTES.
+    for b in torch.unique(base64).tolist():
+        members = (base64 == b).nonzero().flatten()
+        length = int(pos64[members].max()) + 1
+        keys = k[b:b + length].float()  # [L, Hkv, D]
         u = torch.arange(length, device=q.device)
-        causal = u[None, :] <= p[:, None]  # [R_c, L]
-        key_rows = (b[:, None] + u[None, :]).clamp(max=k.shape[0] - 1)
-        keys = k[key_rows].float()  # [R_c, L, Hkv, D]
-        queries = q[rows[sl]].float().view(-1, Hkv, Hq // Hkv, D)  # query heads by KV group
-        logits = torch.einsum("rgjd,rlgd->rgjl", queries, keys).reshape(-1, Hq, length) * scale
-        logits = logits.masked_fill(~causal[:, None, :], float("-inf"))
-        probs = torch.softmax(logits, dim=-1)  # [R_c, Hq, L]
-        teacher = probs.view(probs.shape[0], Hi, heads_per_index, length).mean(dim=2)
-        # Selected-block membership of every key position, per index head: [R_c, Hi, L].
         blk = (u // block_size)[None, None, None, :]
-        chosen = (sel[..., None] == blk).any(dim=2) & causal[:, None, :]
-        recall[sl] = (teacher * chosen).sum(dim=-1)
+        per_chunk = max(1, _TEACHER_BYTES // (4 * 3 * Hq * length))
+        for start in range(0, members.numel(), per_chunk):
+            idx = members[start:start + per_chunk]
+            p, sel = pos64[idx], block_idx[idx].to(torch.int64)
+            causal = u[None, :] <= p[:, None]  # [R_c, L]
+            queries = q[rows[idx]].float().view(-1, Hkv, Hq // Hkv, D)  # query heads by KV group
+            logits = torch.einsum("rgjd,lgd->rgjl", queries, keys).reshape(-1, Hq, length) * scale
+            logits = logits.masked_fill(~causal[:, None, :], float("-inf"))
+            probs = torch.softmax(logits, dim=-1)  # [R_c, Hq, L]
+            teacher = probs.view(probs.shape[0], Hi, heads_per_index, length).mean(dim=2)
+            # Selected-block membership of every key position, per index head: [R_c, Hi, L].
+            chosen = (sel[..., None] == blk).any(dim=2) & causal[:, None, :]
+            recall[idx] = (teacher * chosen).sum(dim=-1)
     return SelectionSample(rows=rows, q_pos=pos64, block_idx=block_idx, recall=recall)
 
 

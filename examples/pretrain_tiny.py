@@ -171,20 +171,26 @@ def take_windows(files: Sequence[Path], seq_len: int, count: int) -> List[Window
 
 
 def take_retrieval_windows(files: Sequence[Path], args: argparse.Namespace, count: int,
-                           seed: int, mixed: bool = False) -> List[Window]:
+                           seed: int, mixed: bool = False) -> "LazyWindows":
     """``count`` windows of retrieval sequences (filler from ``files``), the same on every rank:
     ``--seq-len / --task-len`` sequences of ``--task-len`` tokens each, or with ``mixed`` and
     ``--task-len-min``, sequences of mixed lengths up to ``--task-len``; with
     ``--task-curriculum N`` too, the longest length of window ``i`` (training step
     ``i // data-parallel size``) grows from ``--task-len-min`` to ``--task-len`` over N steps
-    (:func:`retrieval_task.curriculum_length`)."""
+    (:func:`retrieval_task.curriculum_length`). Windows are generated in order when first
+    indexed (:class:`LazyWindows`): a run that stops early never builds the rest."""
+    return LazyWindows(_retrieval_windows(files, args, count, seed, mixed), count)
+
+
+def _retrieval_windows(files: Sequence[Path], args: argparse.Namespace, count: int, seed: int,
+                       mixed: bool) -> Iterator[Window]:
+    """The windows of :func:`take_retrieval_windows`, one by one."""
     spec = retrieval_task.spec_from_args(args)
     rng = random.Random(seed)
     filler = retrieval_task.filler_stream(iter_documents(files))
     shortest = args.task_len_min if mixed and args.task_len_min else spec.length
     curriculum = getattr(args, "task_curriculum", 0) if shortest < spec.length else 0
     per_step = max(1, count // max(args.steps, 1)) if mixed else 1
-    windows = []
     for i in range(count):
         longest = (retrieval_task.curriculum_length(i // per_step, curriculum, shortest,
                                                     spec.length, PAD_MULTIPLE)
@@ -206,8 +212,29 @@ def take_retrieval_windows(files: Sequence[Path], args: argparse.Namespace, coun
                                          for first, last in part.record_span)
             answers.value_set_chance.extend([part.value_set_chance] * len(part.record_span))
             offset += length
-        windows.append(Window(torch.cat([p.tokens for p in parts]), lengths, lengths, answers))
-    return windows
+        yield Window(torch.cat([p.tokens for p in parts]), lengths, lengths, answers)
+
+
+class LazyWindows(Sequence):
+    """A read-only list of ``count`` windows drawn from ``stream`` in order on first access
+    (and kept: the variants of one run train on the same windows)."""
+
+    def __init__(self, stream: Iterator[Window], count: int):
+        self._stream, self._count, self._built = stream, count, []
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._count))]
+        if index < 0:
+            index += self._count
+        if not 0 <= index < self._count:
+            raise IndexError(f"window {index} of {self._count}")
+        while len(self._built) <= index:
+            self._built.append(next(self._stream))
+        return self._built[index]
 
 
 @dataclass

@@ -12,6 +12,8 @@ from typing import Optional
 MODES = ("sparse", "dense")
 BACKENDS = ("reference", "torch", "triton")
 CP_KV_EXCHANGES = ("allgather", "selective")
+# The CP K/V exchange when none is chosen (the faster one measured; docs/DESIGN.md).
+DEFAULT_CP_KV_EXCHANGE = "allgather"
 
 
 @dataclass(frozen=True)
@@ -38,9 +40,8 @@ class MSAConfig:
         mode: ``"sparse"`` or ``"dense"`` (warmup, MSA_SPEC section 5).
         backend: ``"reference"``, ``"torch"``, ``"triton"`` or ``None`` (automatic).
         cp_kv_exchange: context-parallel K/V exchange, ``"allgather"``, ``"selective"`` or
-            ``None``: from megatron-core's ``cp_comm_type`` of the layer (``"all_gather"`` ->
-            allgather, ``"p2p"`` -> selective), else allgather
-            (:func:`msa_megatron.parallel.context.resolve_cp_kv_exchange`).
+            ``None`` for the default, ``"allgather"`` (whatever megatron-core's
+            ``cp_comm_type``: :func:`msa_megatron.parallel.context.resolve_cp_kv_exchange`).
 
     Raises:
         ValueError / TypeError on construction (and in ``dataclasses.replace``) for any

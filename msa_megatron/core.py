@@ -10,10 +10,13 @@ order, each step names the function that owns it:
    (:func:`msa_megatron.layout.query_layout`, or under CP
    :func:`msa_megatron.parallel.cp_layout.build_cp_layout`;
    :func:`msa_megatron.layout.real_token_rows`);
-3. CP: gather the index keys (:func:`msa_megatron.parallel.context.gather_rows`);
+3. CP: gather the index keys (:func:`msa_megatron.parallel.context.gather_rows`) and start
+   the K/V exchange (:func:`msa_megatron.parallel.context.start_kv_exchange`: ``allgather``'s
+   all-gathers run asynchronously while step 4 selects);
 4. select once (the backend's ``select``); ranks sharing an index head (TP > Hkv) select a
    token slice each and all-gather it (:func:`msa_megatron.parallel.comm.all_gather_rows`);
-5. CP: K/V exchange, allgather or selective (:func:`msa_megatron.parallel.context.exchange_kv`);
+5. CP: finish the K/V exchange, allgather (wait) or selective (run)
+   (:meth:`msa_megatron.parallel.context.KVExchange.finish`);
 6. attention (the backend's ``attention``);
 7. TP > Hkv: head <-> token exchange of q and LSE
    (:func:`msa_megatron.parallel.comm.heads_to_tokens`);
@@ -35,7 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .config import CP_KV_EXCHANGES, MSAConfig
+from .config import CP_KV_EXCHANGES, DEFAULT_CP_KV_EXCHANGE, MSAConfig
 from .layout import query_layout, real_token_rows
 from .ops.backends import get_backend, resolve_backend
 from .ops.validation import (
@@ -47,7 +50,7 @@ from .ops.validation import (
     check_scale,
 )
 from .parallel.comm import all_gather_rows, group_rank, heads_to_tokens, token_slices
-from .parallel.context import exchange_kv, gather_rows, new_cp_stats
+from .parallel.context import gather_rows, new_cp_stats, start_kv_exchange
 from .parallel.cp_layout import build_cp_layout
 from .parallel.groups import NO_GROUPS, ParallelGroups
 
@@ -62,7 +65,12 @@ class MSAOptions:
         index_scale: index logit scale, None for ``Di ** -0.5``.
         mode: ``"sparse"`` or ``"dense"`` (warmup, MSA_SPEC section 5).
         backend: ``"reference"``, ``"torch"``, ``"triton"`` or None (triton on CUDA, else torch).
-        kv_exchange: CP K/V exchange, ``"allgather"`` or ``"selective"`` (read only under CP).
+        kv_exchange: CP K/V exchange, ``"allgather"`` (default) or ``"selective"`` (read only
+            under CP).
+        overlap_kv_exchange: under CP ``allgather``, launch the K/V all-gathers before the
+            selection and wait on them right before the attention (True, default), or exchange
+            after the selection (False: the selection's memory peak does not hold the gathered
+            K/V). Results are bitwise the same.
 
     Raises:
         TypeError / ValueError: an invalid option (MSA_SPEC section 7).
@@ -76,7 +84,8 @@ class MSAOptions:
     index_scale: Optional[float] = None
     mode: str = "sparse"
     backend: Optional[str] = None
-    kv_exchange: str = "allgather"
+    kv_exchange: str = DEFAULT_CP_KV_EXCHANGE
+    overlap_kv_exchange: bool = True
 
     def __post_init__(self) -> None:
         check_options(self.block_size, self.top_k, self.init_blocks, self.local_blocks,
@@ -86,6 +95,9 @@ class MSAOptions:
         if self.kv_exchange not in CP_KV_EXCHANGES:
             raise ValueError(
                 f"kv_exchange must be one of {CP_KV_EXCHANGES}, got {self.kv_exchange!r}")
+        if not isinstance(self.overlap_kv_exchange, bool):
+            raise TypeError("overlap_kv_exchange must be a bool, got "
+                            f"{type(self.overlap_kv_exchange).__name__}")
 
     @classmethod
     def from_config(cls, config: MSAConfig, **overrides: Any) -> "MSAOptions":
@@ -99,7 +111,7 @@ class MSAOptions:
             block_size=config.block_size, top_k=config.top_k, init_blocks=config.init_blocks,
             local_blocks=config.local_blocks, softmax_scale=config.softmax_scale,
             index_scale=config.index_scale, mode=config.mode, backend=config.backend,
-            kv_exchange=config.cp_kv_exchange or "allgather",
+            kv_exchange=config.cp_kv_exchange or DEFAULT_CP_KV_EXCHANGE,
         )
         if config.softmax_scale is not None:
             overrides.pop("softmax_scale", None)
@@ -146,7 +158,8 @@ def select_blocks(q_idx: torch.Tensor, k_idx: torch.Tensor, *, options: MSAOptio
 
     Args:
         q_idx: ``[T, Hi, Di]``; k_idx: ``[T, Hik, Di]``; cu_seqlens: ``[n+1]`` int32 or None.
-        options: the selection options (mode, softmax_scale and kv_exchange are not read).
+        options: the selection options (mode, softmax_scale and the CP exchange options are not
+            read).
 
     Returns:
         ``[T, Hi, top_k]`` int32.
@@ -229,10 +242,14 @@ def msa_layer(
             [0, T], dtype=torch.int32, device=q.device)
         kl_rows = real_token_rows(padded, cu_seqlens_real, q_pos, q_kbase)
 
-    # 3. CP: the index keys of every rank.
+    # 3. CP: the index keys of every rank; the K/V exchange starts (allgather: its collectives
+    # run during the selection, queued behind the index-key gather the selection waits for).
+    exchange = None
     if cp:
         stats = new_cp_stats() if stats is None else stats
         (k_idx_all,) = gather_rows(layout, groups.cp, stats, "index_k", k_idx)
+        if options.overlap_kv_exchange:
+            exchange = start_kv_exchange(layout, k, v, options.kv_exchange, groups.cp, stats)
     else:
         stats, k_idx_all = None, k_idx
 
@@ -249,10 +266,11 @@ def msa_layer(
                 block_idx = impl.select(q_idx.detach(), k_idx_all.detach(), q_pos, q_kbase,
                                         **options.select_kwargs())
 
-    # 5. CP: K/V of the rows the local queries read.
+    # 5. CP: K/V of the rows the local queries read (waited on only now).
     if cp:
-        k_all, v_all = exchange_kv(layout, k, v, block_idx, options.kv_exchange, groups.cp,
-                                   stats)
+        if exchange is None:
+            exchange = start_kv_exchange(layout, k, v, options.kv_exchange, groups.cp, stats)
+        k_all, v_all = exchange.finish(block_idx)
     else:
         k_all, v_all = k, v
 

@@ -34,7 +34,7 @@ MSA_FLAG_FIELDS: Dict[str, tuple] = {
     "kl_coeff": (float, None, "weight of the summed per-layer index-branch KL losses"),
     "backend": (str, BACKENDS, "kernel backend (default: triton on CUDA, torch otherwise)"),
     "cp_kv_exchange": (str, CP_KV_EXCHANGES,
-                       "context-parallel K/V exchange (default: from megatron's cp_comm_type)"),
+                       "context-parallel K/V exchange (default: allgather)"),
 }
 WARMUP_FIELD = "warmup_steps"
 GROUP_TITLE = "MiniMax Sparse Attention (msa-megatron)"

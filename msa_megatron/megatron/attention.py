@@ -25,7 +25,7 @@ Parallel layouts (MSA_SPEC section 6; the composer runs the exchanges):
   (``ParallelGroups.tp_share``) select once and compute an exact KL teacher.
 - CP > 1: the composer gets the CP group and the global (padded) ``cu_seqlens`` (SBHD: ``b``
   sequences of the global length). The K/V exchange is ``MSAConfig.cp_kv_exchange``, or when
-  None the one megatron-core's ``cp_comm_type`` of the layer maps to
+  None ``"allgather"``, whatever megatron-core's ``cp_comm_type``
   (:func:`~msa_megatron.parallel.context.resolve_cp_kv_exchange`). The bytes moved accumulate
   per layer (:func:`~msa_megatron.megatron.metrics.cp_stats_accumulator`, reported by
   ``get_msa_metrics``).
@@ -287,7 +287,7 @@ class MSACoreAttention(MegatronModule):
             raise ValueError(f"MSA attention is causal; got attn_mask_type={attn_mask_type}")
         self.layer_number = layer_number
         self.megatron_softmax_scale = softmax_scale
-        self.cp_comm_type = cp_comm_type
+        self.cp_comm_type = cp_comm_type  # kept like megatron-core's; MSA does not read it
         self.groups = ParallelGroups(
             cp=None if pg_collection is None else getattr(pg_collection, "cp", None))
         self.msa_config: Optional[MSAConfig] = None
@@ -326,8 +326,7 @@ class MSACoreAttention(MegatronModule):
         megatron-core softmax scale when the config sets none, and its K/V exchange."""
         return MSAOptions.from_config(
             self.msa_config, mode=self.mode, softmax_scale=self.megatron_softmax_scale,
-            kv_exchange=resolve_cp_kv_exchange(self.msa_config.cp_kv_exchange,
-                                               self.cp_comm_type, self.layer_number))
+            kv_exchange=resolve_cp_kv_exchange(self.msa_config.cp_kv_exchange))
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor], attn_mask_type=None,

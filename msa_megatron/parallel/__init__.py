@@ -20,17 +20,20 @@ from .comm import (
     token_slices,
 )
 from .context import (
+    KVExchange,
     cp_bytes_moved,
     cp_bytes_received,
     exchange_kv,
     gather_rows,
     resolve_cp_kv_exchange,
+    start_kv_exchange,
 )
 from .cp_layout import build_cp_layout, sbhd_cu_seqlens, split_for_cp_rank
 from .groups import NO_GROUPS, ParallelGroups
 from .tensor import index_head_layout, share_group
 
 __all__ = [
+    "KVExchange",
     "NO_GROUPS",
     "ParallelGroups",
     "all_gather_first_dim",
@@ -49,5 +52,6 @@ __all__ = [
     "sbhd_cu_seqlens",
     "share_group",
     "split_for_cp_rank",
+    "start_kv_exchange",
     "token_slices",
 ]

@@ -48,6 +48,23 @@ def reduce_scatter_flat(out: torch.Tensor, x: torch.Tensor,
     _reduce_scatter_flat(out, x.contiguous(), group=group)
 
 
+def start_all_gather_flat(out: torch.Tensor, x: torch.Tensor,
+                          group: Optional[ProcessGroup]) -> dist.Work:
+    """:func:`all_gather_flat` launched asynchronously (gloo and NCCL alike).
+
+    Returns the collective's ``Work``: ``out`` holds the result after ``work.wait()`` (on NCCL
+    ``wait`` makes the current CUDA stream wait; the host does not block). Keep ``x`` unchanged
+    until then.
+    """
+    return _all_gather_flat(out, x.contiguous(), group=group, async_op=True)
+
+
+def start_reduce_scatter_flat(out: torch.Tensor, x: torch.Tensor,
+                              group: Optional[ProcessGroup]) -> dist.Work:
+    """:func:`reduce_scatter_flat` launched asynchronously; ``out`` is valid after ``wait()``."""
+    return _reduce_scatter_flat(out, x.contiguous(), group=group, async_op=True)
+
+
 def all_gather_first_dim(x: torch.Tensor, group: Optional[ProcessGroup]) -> torch.Tensor:
     """All-gather ``x`` along dim 0 (no autograd: for inputs read with gradient stopped).
 

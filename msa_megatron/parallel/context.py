@@ -44,20 +44,17 @@ collectives are not modelled). With ``R`` = CP-1 peers, ``T_l`` local tokens, ``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from ..config import CP_KV_EXCHANGES
-from .comm import all_gather_flat, reduce_scatter_flat
+from ..config import CP_KV_EXCHANGES, DEFAULT_CP_KV_EXCHANGE
+from .comm import start_all_gather_flat, start_reduce_scatter_flat
 from .cp_layout import CPLayout
 
 BLOCK_ID_DTYPE = torch.int32
 COUNT_DTYPE = torch.int64
-
-# megatron-core TransformerConfig.cp_comm_type -> MSA K/V exchange (types that map).
-CP_COMM_TYPE_TO_KV_EXCHANGE = {"all_gather": "allgather", "p2p": "selective"}
 
 STAT_KEYS = (
     "index_k_fwd_bytes_sent", "index_k_fwd_bytes_recv",
@@ -86,47 +83,62 @@ def cp_bytes_received(stats: Dict[str, int]) -> Tuple[int, int]:
     return cp_bytes_moved(stats) - backward, backward
 
 
-def resolve_cp_kv_exchange(
-    cp_kv_exchange: Optional[str], cp_comm_type: Optional[Union[str, List[str]]] = None,
-    layer_number: int = 1,
-) -> str:
-    """The K/V exchange of one layer.
+def resolve_cp_kv_exchange(cp_kv_exchange: Optional[str]) -> str:
+    """The K/V exchange of a layer: ``cp_kv_exchange``, or :data:`DEFAULT_CP_KV_EXCHANGE`
+    (``"allgather"``) when None.
 
-    An explicit ``cp_kv_exchange`` wins. Otherwise megatron-core's ``cp_comm_type`` (a string,
-    or a per-layer list indexed by the 1-based ``layer_number``) maps ``"all_gather"`` to
-    ``"allgather"`` and ``"p2p"`` to ``"selective"``; other types (``"a2a"``, ``"a2a+p2p"``:
-    head-scattering schemes that MSA does not implement) and ``None`` give ``"allgather"``.
+    megatron-core's ``cp_comm_type`` is not read: its default (``"p2p"``) used to select
+    ``"selective"``, which moved 22% fewer bytes but was 2-5% slower than ``"allgather"`` on
+    4 H200s (docs/DESIGN.md, context parallelism); ``"selective"`` is chosen explicitly.
 
     Raises:
-        ValueError: ``cp_kv_exchange`` not in ``("allgather", "selective")``.
+        ValueError: ``cp_kv_exchange`` not in ``("allgather", "selective")`` and not None.
     """
-    if cp_kv_exchange is not None:
-        if cp_kv_exchange not in CP_KV_EXCHANGES:
-            raise ValueError(
-                f"cp_kv_exchange must be one of {CP_KV_EXCHANGES} or None, got {cp_kv_exchange!r}"
-            )
-        return cp_kv_exchange
-    if isinstance(cp_comm_type, (list, tuple)):
-        cp_comm_type = cp_comm_type[layer_number - 1]
-    return CP_COMM_TYPE_TO_KV_EXCHANGE.get(cp_comm_type, "allgather")
+    if cp_kv_exchange is None:
+        return DEFAULT_CP_KV_EXCHANGE
+    if cp_kv_exchange not in CP_KV_EXCHANGES:
+        raise ValueError(
+            f"cp_kv_exchange must be one of {CP_KV_EXCHANGES} or None, got {cp_kv_exchange!r}"
+        )
+    return cp_kv_exchange
 
 
 def _row_bytes(x: torch.Tensor) -> int:
     return x[0].numel() * x.element_size() if x.shape[0] else 0
 
 
+class _StartedGather:
+    """All-gathers of local rows, launched (asynchronously) and not yet waited on."""
+
+    def __init__(self, layout: CPLayout, group, xs: Tuple[torch.Tensor, ...]) -> None:
+        self.buffers, self.works = [], []
+        with torch.no_grad():
+            for x in xs:
+                gathered = x.new_empty((layout.cp_size * x.shape[0],) + tuple(x.shape[1:]))
+                self.works.append(start_all_gather_flat(gathered, x.detach(), group))
+                self.buffers.append(gathered)
+
+    def wait(self) -> List[torch.Tensor]:
+        """The rank-major gathered buffers, once every collective has completed."""
+        for work in self.works:
+            work.wait()
+        self.works = []
+        return self.buffers
+
+
 class _GatherRows(torch.autograd.Function):
-    """All-gather local rows into the global THD order; backward reduce-scatters to owners."""
+    """All-gather local rows into the global THD order; backward reduce-scatters to owners.
+
+    The gathers are launched before (``started``); forward waits on them. Backward launches the
+    reduce-scatters of every input together and waits once."""
 
     @staticmethod
     def forward(ctx, layout: CPLayout, group, stats: Dict[str, int], prefix: str,
-                *xs: torch.Tensor):
+                started: _StartedGather, *xs: torch.Tensor):
         ctx.layout, ctx.group, ctx.stats, ctx.prefix = layout, group, stats, prefix
         peers = layout.cp_size - 1
         outs = []
-        for x in xs:
-            gathered = x.new_empty((layout.cp_size * x.shape[0],) + tuple(x.shape[1:]))
-            all_gather_flat(gathered, x, group)
+        for x, gathered in zip(xs, started.wait()):
             outs.append(gathered.index_select(0, layout.gathered_to_global))
             stats[f"{prefix}_fwd_bytes_sent"] += peers * x.shape[0] * _row_bytes(x)
             stats[f"{prefix}_fwd_bytes_recv"] += peers * x.shape[0] * _row_bytes(x)
@@ -137,15 +149,18 @@ class _GatherRows(torch.autograd.Function):
         layout, stats, prefix = ctx.layout, ctx.stats, ctx.prefix
         peers = layout.cp_size - 1
         order = layout.rank_rows.reshape(-1)
-        local_grads = []
+        local_grads, sends, works = [], [], []
         for g in grads:
             rank_major = g.index_select(0, order).contiguous()
             local = g.new_empty((layout.total_local,) + tuple(g.shape[1:]))
-            reduce_scatter_flat(local, rank_major, ctx.group)
+            works.append(start_reduce_scatter_flat(local, rank_major, ctx.group))
+            sends.append(rank_major)  # alive until the collective completes
             local_grads.append(local)
             stats[f"{prefix}_bwd_bytes_sent"] += peers * layout.total_local * _row_bytes(g)
             stats[f"{prefix}_bwd_bytes_recv"] += peers * layout.total_local * _row_bytes(g)
-        return (None, None, None, None) + tuple(local_grads)
+        for work in works:
+            work.wait()
+        return (None, None, None, None, None) + tuple(local_grads)
 
 
 @dataclass
@@ -305,13 +320,89 @@ def gather_rows(layout: CPLayout, group, stats: Dict[str, int], prefix: str,
     Returns:
         One ``[T_global, ...]`` tensor per input.
     """
-    return _GatherRows.apply(layout, group, stats, prefix, *xs)
+    return _GatherRows.apply(layout, group, stats, prefix, _StartedGather(layout, group, xs),
+                             *xs)
+
+
+class KVExchange:
+    """A K/V exchange started by :func:`start_kv_exchange`; :meth:`finish` completes it.
+
+    ``allgather`` launches its two all-gathers (K, V) asynchronously on construction, so they
+    run while the caller selects blocks; ``selective`` needs the selection and starts nothing
+    until :meth:`finish`.
+    """
+
+    def __init__(self, layout: CPLayout, k: torch.Tensor, v: torch.Tensor, kv_exchange: str,
+                 group, stats: Dict[str, int]) -> None:
+        if kv_exchange not in CP_KV_EXCHANGES:
+            raise ValueError(
+                f"kv_exchange must be one of {CP_KV_EXCHANGES}, got {kv_exchange!r}")
+        self.layout, self.k, self.v, self.kv_exchange = layout, k, v, kv_exchange
+        self.group, self.stats = group, stats
+        self._started = (_StartedGather(layout, group, (k, v)) if kv_exchange == "allgather"
+                         else None)
+        self._done = False
+
+    def finish(self, block_idx: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Wait for (``allgather``) or run (``selective``) the exchange.
+
+        Args:
+            block_idx: ``[T_local, Hi_local, top_k]`` int32 selection of the local queries, or
+                None (dense mode: every causal block); read by ``selective`` only.
+
+        Returns:
+            ``(k_global, v_global)`` ``[T_global, Hkv_local, D]``, differentiable (dK/dV reach
+            the owner ranks). ``selective`` leaves rows nobody selected at zero.
+
+        Raises:
+            RuntimeError: called twice.
+        """
+        if self._done:
+            raise RuntimeError("KVExchange.finish was already called")
+        self._done = True
+        layout, k, v, stats = self.layout, self.k, self.v, self.stats
+        remote_rows = (layout.cp_size - 1) * layout.total_local * k.shape[1]
+        stats["kv_head_rows_remote"] += remote_rows
+        if self.kv_exchange == "allgather":
+            k_global, v_global = _GatherRows.apply(layout, self.group, stats, "kv",
+                                                   self._started, k, v)
+            stats["kv_head_rows_fetched"] += remote_rows
+            return k_global, v_global
+        plan = build_selective_plan(layout, needed_blocks(layout, block_idx, k.shape[1]),
+                                    self.group, stats)
+        return _SelectiveKV.apply(layout, plan, self.group, stats, k, v)
+
+
+def start_kv_exchange(layout: CPLayout, k: torch.Tensor, v: torch.Tensor, kv_exchange: str,
+                      group, stats: Dict[str, int]) -> KVExchange:
+    """Start the K/V exchange of step 3 above before the selection is known.
+
+    ``allgather`` launches its all-gathers now (asynchronous on gloo and NCCL: the selection
+    runs while they move; on NCCL they are queued behind the index-key gather, which the
+    selection waits for); :meth:`KVExchange.finish` waits right before the attention needs K/V.
+    ``selective`` only records its arguments (its request depends on the selection).
+
+    Args:
+        layout: the CP layout; k, v: ``[T_local, Hkv_local, D]`` this rank's rows (left
+            unchanged until ``finish``).
+        kv_exchange: ``"allgather"`` or ``"selective"``.
+        group: the CP group; stats: a :data:`STAT_KEYS` dict the bytes are added to.
+
+    Returns:
+        The started :class:`KVExchange`; call its ``finish(block_idx)`` exactly once, on every
+        rank (the collectives must complete).
+
+    Raises:
+        ValueError: unknown ``kv_exchange``.
+    """
+    return KVExchange(layout, k, v, kv_exchange, group, stats)
 
 
 def exchange_kv(layout: CPLayout, k: torch.Tensor, v: torch.Tensor,
                 block_idx: Optional[torch.Tensor], kv_exchange: str, group,
                 stats: Dict[str, int]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """K/V of every key row the local queries read, in global-length buffers (step 3 above).
+    """K/V of every key row the local queries read, in global-length buffers (step 3 above),
+    exchanged at once: ``start_kv_exchange(...).finish(block_idx)``.
 
     Args:
         layout: the CP layout; k, v: ``[T_local, Hkv_local, D]`` this rank's rows.
@@ -327,14 +418,4 @@ def exchange_kv(layout: CPLayout, k: torch.Tensor, v: torch.Tensor,
     Raises:
         ValueError: unknown ``kv_exchange``.
     """
-    if kv_exchange not in CP_KV_EXCHANGES:
-        raise ValueError(f"kv_exchange must be one of {CP_KV_EXCHANGES}, got {kv_exchange!r}")
-    remote_rows = (layout.cp_size - 1) * layout.total_local * k.shape[1]
-    stats["kv_head_rows_remote"] += remote_rows
-    if kv_exchange == "allgather":
-        k_global, v_global = gather_rows(layout, group, stats, "kv", k, v)
-        stats["kv_head_rows_fetched"] += remote_rows
-        return k_global, v_global
-    plan = build_selective_plan(layout, needed_blocks(layout, block_idx, k.shape[1]), group,
-                                stats)
-    return _SelectiveKV.apply(layout, plan, group, stats, k, v)
+    return start_kv_exchange(layout, k, v, kv_exchange, group, stats).finish(block_idx)

@@ -1,7 +1,8 @@
 """The MSA core attention's context-parallel call site: CP=2 ranks holding megatron-core's
 load-balanced halves of an SBHD batch give the outputs, KL and gradients of one rank holding it
 all (the CP exchange itself is tested in tests/parallel); the K/V exchange follows
-``MSAConfig.cp_kv_exchange``, or megatron-core's ``cp_comm_type`` when it is None."""
+``MSAConfig.cp_kv_exchange``, ``allgather`` when it is None whatever megatron-core's
+``cp_comm_type``."""
 
 from __future__ import annotations
 
@@ -93,12 +94,13 @@ def test_context_parallel_core_matches_single_rank():
 
 # (MSAConfig.cp_kv_exchange, megatron cp_comm_type of the layer, K/V exchange the layer uses)
 EXCHANGE_CASES = [
-    (None, "p2p", "selective"),
+    (None, "p2p", "allgather"),  # megatron's default: allgather, the faster mode measured
     (None, "all_gather", "allgather"),
     (None, "a2a", "allgather"),  # head-scattering types MSA does not implement
     (None, None, "allgather"),
-    ("allgather", "p2p", "allgather"),  # an explicit choice wins
+    ("selective", "p2p", "selective"),  # an explicit choice wins
     ("selective", "all_gather", "selective"),
+    ("allgather", "p2p", "allgather"),
 ]
 
 
@@ -126,7 +128,7 @@ def _exchange_worker(rank: int, world_size: int) -> list:
     return used
 
 
-def test_kv_exchange_from_cp_comm_type():
+def test_kv_exchange_from_config_not_cp_comm_type():
     from msa_megatron import MSAConfig
 
     assert MSAConfig().cp_kv_exchange is None

@@ -138,10 +138,10 @@ def _cp_worker(rank: int, world_size: int, tp: int, cp: int, recompute=None,
             module.register_forward_hook(lambda *_: core_calls.__setitem__(0, core_calls[0] + 1))
     n_global = BATCH * SEQ
     for step, (fmt, exchange) in enumerate(STEPS):
-        # Read by every MSA layer at its next forward; None takes the exchange from
-        # megatron's cp_comm_type "p2p": selective. MSAConfig is immutable: each core gets a
-        # changed copy.
-        msa = dataclasses.replace(msa, cp_kv_exchange=None if exchange == "selective"
+        # Read by every MSA layer at its next forward; None is the default exchange
+        # (allgather, whatever megatron's cp_comm_type "p2p"). MSAConfig is immutable: each
+        # core gets a changed copy.
+        msa = dataclasses.replace(msa, cp_kv_exchange=None if exchange == "allgather"
                                   else exchange)
         for core in cores:
             core.msa_config = msa

@@ -282,13 +282,95 @@ def test_context_parallel_matches_single_process(world_size, tp_size, backend, h
     _check_all(cases, ranks_by_case, tp_size, world_size // tp_size, heads)
 
 
+def _call_order_worker(rank, world_size):
+    """Run one allgather layer with and without overlap, recording (through mocks of the CP
+    collectives and of the backend's cores) the order of launches, waits, selection and
+    attention."""
+    from unittest import mock
+
+    from msa_megatron.parallel import context
+
+    backend = get_backend("torch")
+    case = dict(layout="thd", seed=50, mode="sparse")
+    cu = _case_cu(case)
+    x, w_out = _global_inputs(case, HEADS)
+    group = dist.new_group(list(range(world_size)))
+    runs = {}
+    for overlap in (True, False):
+        events = []
+
+        def spy(label, function):
+            def call(*args, **kwargs):
+                events.append(label)
+                return function(*args, **kwargs)
+            return call
+
+        def collective(kind, function):
+            def start(out, inp, grp):
+                # K/V rows have D = 16 features, index keys Di = 8.
+                label = f"{'kv' if inp.shape[-1] == HEADS['d'] else 'index_k'}_{kind}"
+                events.append(f"{label}_start")
+                work = function(out, inp, grp)
+                return mock.Mock(wait=spy(f"{label}_wait", work.wait))
+            return start
+
+        local = {n: split_for_cp_rank(t, cu, world_size, rank).contiguous().requires_grad_(True)
+                 for n, t in x.items()}
+        with mock.patch.object(context, "start_all_gather_flat",
+                               collective("gather", context.start_all_gather_flat)), \
+                mock.patch.object(context, "start_reduce_scatter_flat",
+                                  collective("scatter", context.start_reduce_scatter_flat)), \
+                mock.patch.object(backend, "select", spy("select", backend.select)), \
+                mock.patch.object(backend, "attention", spy("attention", backend.attention)):
+            res = msa_layer(*(local[n] for n in NAMES), cu_seqlens=cu,
+                            groups=ParallelGroups(cp=group),
+                            options=_options(backend="torch", overlap_kv_exchange=overlap),
+                            kl_scale=1.0 / (int(cu[-1]) * HEADS["hi"]))
+            events.append("backward")
+            w_local = split_for_cp_rank(w_out, cu, world_size, rank)
+            ((res.out * w_local).sum() + KL_WEIGHT * res.kl).backward()
+        runs[overlap] = {"events": events, "out": res.out.detach(), "kl": res.kl.detach(),
+                         "grads": {n: t.grad for n, t in local.items()}}
+    return runs
+
+
+def _kv_overlaps_selection(events):
+    """Both K/V all-gathers start before the selection; their waits come after it, before the
+    attention."""
+    select, attention = events.index("select"), events.index("attention")
+    starts = [i for i, e in enumerate(events) if e == "kv_gather_start"]
+    waits = [i for i, e in enumerate(events) if e == "kv_gather_wait"]
+    return (len(starts) == len(waits) == 2 and max(starts) < select
+            and select < min(waits) and max(waits) < attention)
+
+
+@pytest.mark.slow
+def test_kv_allgather_starts_before_selection_and_is_waited_before_attention():
+    for runs in run_distributed(_call_order_worker, 2):
+        on, off = runs[True], runs[False]
+        assert _kv_overlaps_selection(on["events"]), on["events"]
+        assert not _kv_overlaps_selection(off["events"]), off["events"]  # the check can fail
+        # the index keys are gathered (and waited on) before the selection reads them
+        events = on["events"]
+        assert events.index("index_k_gather_wait") < events.index("select")
+        # backward: dK and dV reduce-scatters launched together, then waited
+        back = events[events.index("backward"):]
+        kv = [e for e in back if e.startswith("kv_scatter")]
+        assert kv == ["kv_scatter_start"] * 2 + ["kv_scatter_wait"] * 2, back
+        # overlap changes the order only: bitwise the same results
+        assert torch.equal(on["out"], off["out"]) and torch.equal(on["kl"], off["kl"])
+        for name in NAMES:
+            assert torch.equal(on["grads"][name], off["grads"][name]), name
+
+
 def test_resolve_cp_kv_exchange():
-    assert resolve_cp_kv_exchange("selective", "all_gather") == "selective"
-    assert resolve_cp_kv_exchange(None, "all_gather") == "allgather"
-    assert resolve_cp_kv_exchange(None, ["a2a", "p2p"], layer_number=2) == "selective"
-    assert resolve_cp_kv_exchange(None, "a2a") == "allgather"
+    """allgather unless chosen (the faster mode measured, docs/DESIGN.md); selective stays."""
+    assert resolve_cp_kv_exchange(None) == "allgather"
+    assert resolve_cp_kv_exchange("selective") == "selective"
+    assert resolve_cp_kv_exchange("allgather") == "allgather"
+    assert MSAOptions().kv_exchange == "allgather"
     with pytest.raises(ValueError, match="cp_kv_exchange"):
-        resolve_cp_kv_exchange("ring", None)
+        resolve_cp_kv_exchange("ring")
 
 
 def test_layout_rejects_lengths_not_divisible_by_2cp():

@@ -1,30 +1,37 @@
 """Context-parallel MSA: correctness on the devices first, then step times and bytes moved.
 
-Run on 2 GPUs (writes JSON to the path given)::
+Run on 2 or 4 GPUs (writes JSON to the path given)::
 
-    torchrun --nproc-per-node 2 benchmarks/bench_cp.py benchmarks/results/cp_h200.json \
-        [--backend triton|torch] [--seqlens 65536 131072 262144] [--dists iid coherent]
+    torchrun --nproc-per-node 4 benchmarks/bench_cp.py benchmarks/results/cp_h200x4.json \
+        [--backend triton|torch] [--seqlens 131072 262144 524288] [--dists iid coherent] \
+        [--cp-sizes 2 4] [--overlap on off]
 
-(``--backend`` defaults to the automatic choice: triton on CUDA.)
+(``--backend`` defaults to the automatic choice: triton on CUDA; ``--cp-sizes`` to every
+power of two from 2 to the world size: on 4 GPUs CP=2 runs as two concurrent pairs.)
 
 CPU dry run of the whole script on tiny shapes (gloo)::
 
-    torchrun --nproc-per-node 2 benchmarks/bench_cp.py /tmp/cp.json --device cpu \
+    torchrun --nproc-per-node 4 benchmarks/bench_cp.py /tmp/cp.json --device cpu \
         --seqlens 2048 --check-tokens 1024 --iters 1
 
 What it does, in one run:
 
-1. Correctness: one packed THD batch (several documents, one of length zero, documents crossing
-   the CP chunk boundaries) in fp32; every rank computes the single-device result
-   (:func:`msa_megatron.core.msa_layer`, CP=1) and its CP=2 result (a CP group) in both K/V
-   exchange modes; compares outputs, KL (summed over ranks), selections and the
-   five gradients. The script stops (exit code 1) before timing when a check fails.
+1. Correctness, for every CP size: one packed THD batch (several documents, one of length zero,
+   documents crossing the CP chunk boundaries) in fp32; every rank computes the single-device
+   result (:func:`msa_megatron.core.msa_layer`, CP=1) and its CP result (a CP group) in both K/V
+   exchange modes; compares outputs, KL (summed over ranks), selections and the five gradients;
+   ``allgather`` with the K/V all-gather overlapped with the selection must equal it without
+   bitwise. The script stops (exit code 1) before timing when a check fails.
 2. Timing: one MSA core attention layer (select + sparse attention + KL value + all gradients,
    "paper" config of ``docs/BENCHMARK.md``: Hq 64, Hkv 4, Hi 4, Hik 1, D = Di = 128, B 128, k 16,
-   bf16), one sequence of S tokens, fwd+bwd, median over ``--iters`` CUDA-event-timed steps
-   after one warm-up; for CP=1 (each rank runs the whole sequence on its own GPU) and CP=2 in
-   both exchange modes; index inputs iid and coherent (as ``docs/BENCHMARK.md``). For CP=2 the time
-   of a step is the slowest rank's. Bytes moved per rank come from the layer's statistics.
+   bf16), one sequence of S tokens, fwd+bwd, median over ``--iters`` wall-timed steps (device
+   synchronised) after one warm-up; for CP=1 (each rank runs the whole sequence on its own GPU)
+   and every CP size in: ``allgather`` with the overlap on and off
+   (:class:`msa_megatron.core.MSAOptions` ``overlap_kv_exchange``) and ``selective``; index
+   inputs iid and coherent (as ``docs/BENCHMARK.md``). The time of a step is the slowest rank's
+   (all ranks of the world, concurrent CP groups included). Each CP row records its speed-up
+   over CP=1 and the issue's target, ``ms <= 1.05 * CP=1 ms / CP``. Bytes moved per rank come
+   from the layer's statistics.
 """
 
 from __future__ import annotations
@@ -55,6 +62,9 @@ PAPER = dict(hq=64, hkv=4, hi=4, hik=1, d=128, di=128)
 OPTIONS = dict(block_size=128, top_k=16, init_blocks=0, local_blocks=1, softmax_scale=None,
                index_scale=None)
 EXCHANGES = ("allgather", "selective")
+# (exchange, overlap_kv_exchange) timed per CP size; the overlap applies to allgather only.
+TIMED_MODES = (("allgather", True), ("allgather", False), ("selective", True))
+TARGET_SLACK = 1.05  # CP=c must take at most 1.05 * (CP=1 time / c)
 NAMES = ("q", "k", "v", "q_idx", "k_idx")
 COHERENT_STRIDE = 256  # coherent index queries: randn every 256th token, linearly interpolated
 CHECK_DOC_FRACTIONS = (0.37, 0.0, 0.25, 0.38)  # of the check batch; one zero-length document
@@ -93,7 +103,9 @@ def _local(x: Dict[str, torch.Tensor], cu: torch.Tensor, cp: int, rank: int):
 
 
 def check_correctness(args, device, group) -> dict:
-    """CP=2 vs CP=1 on one packed fp32 batch, both exchange modes. Returns the measured errors."""
+    """CP vs CP=1 on one packed fp32 batch, both exchange modes (the CP size is the group's);
+    allgather also without the overlap, which must give bitwise the same outputs and gradients.
+    Returns the measured errors."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     quantum = 2 * cp
     total = args.check_tokens
@@ -117,28 +129,43 @@ def check_correctness(args, device, group) -> dict:
     out_ref, kl_ref = res.out, res.kl
     ((out_ref * w_out).sum() + kl_ref).backward()
     rows = split_for_cp_rank(torch.arange(total, device=device), cu, cp, rank)
-    report = {"tokens": total, "lengths": lengths}
-    for exchange in EXCHANGES:
+    report = {"cp": cp, "tokens": total, "lengths": lengths}
+
+    def run(exchange, overlap):
         local = _local(x, cu, cp, rank)
         res = msa_layer(
             *(local[n] for n in NAMES), cu_seqlens=cu, groups=ParallelGroups(cp=group),
-            options=MSAOptions(kv_exchange=exchange, backend=args.backend, **OPTIONS),
+            options=MSAOptions(kv_exchange=exchange, overlap_kv_exchange=overlap,
+                               backend=args.backend, **OPTIONS),
             kl_scale=kl_scale)
+        ((res.out * w_out[rows]).sum() + res.kl).backward()
+        return local, res
+
+    for exchange in EXCHANGES:
+        local, res = run(exchange, True)
         out, kl, block_idx, stats = res.out, res.kl, res.block_idx, res.stats
-        ((out * w_out[rows]).sum() + kl).backward()
         kl_sum = kl.detach().clone()
         dist.all_reduce(kl_sum, group=group)
         same = (torch.sort(block_idx, -1).values == torch.sort(ref_idx[rows], -1).values).all(-1)
         errs = {"out": _rel_err(out, out_ref[rows]), "kl": _rel_err(kl_sum, kl_ref)}
         errs.update({f"d{n}": _rel_err(local[n].grad, ref[n].grad[rows]) for n in NAMES})
         errs["selection_match"] = float(same.float().mean())
+        bitwise = 1.0
+        if exchange == "allgather":
+            blocking, res_blocking = run(exchange, False)
+            bitwise = float(torch.equal(res_blocking.out, out) and torch.equal(res_blocking.kl, kl)
+                            and all(torch.equal(blocking[n].grad, local[n].grad) for n in NAMES))
         worst = torch.tensor([max(v for k, v in errs.items() if k != "selection_match"),
-                              -errs["selection_match"]], device=device, dtype=torch.float64)
+                              -errs["selection_match"], -bitwise], device=device,
+                             dtype=torch.float64)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
-        ok = worst[0].item() < CHECK_MAX_REL_ERR and -worst[1].item() >= CHECK_MIN_SELECTION_MATCH
+        ok = (worst[0].item() < CHECK_MAX_REL_ERR
+              and -worst[1].item() >= CHECK_MIN_SELECTION_MATCH and -worst[2].item() == 1.0)
         report[exchange] = {"rank0_errors": errs, "worst_rel_err": worst[0].item(),
                             "worst_selection_match": -worst[1].item(), "ok": ok,
                             "bytes_recv": cp_bytes_moved(stats)}
+        if exchange == "allgather":
+            report[exchange]["overlap_bitwise_equal"] = -worst[2].item() == 1.0
     return report
 
 
@@ -147,36 +174,40 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _time_steps(step, iters: int, device, group) -> List[float]:
-    """Per-step wall times in ms (the slowest rank's), after one warm-up step."""
+def _time_steps(step, iters: int, device) -> List[float]:
+    """Per-step wall times in ms (the slowest rank of the world's), after one warm-up step."""
     step()
     times = []
     for _ in range(iters):
         _sync(device)
-        dist.barrier(group=group)
+        dist.barrier()
         start = time.perf_counter()
         step()
         _sync(device)
         elapsed = torch.tensor([1e3 * (time.perf_counter() - start)], dtype=torch.float64,
                                device=device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times.append(elapsed.item())
     return times
 
 
-def bench(args, device, group, result: dict) -> None:
+def bench(args, device, groups: Dict[int, dist.ProcessGroup], result: dict) -> None:
     """Time every configuration; appends rows to ``result["results"]`` and rewrites the JSON
-    after each row (rank 0), so a run cut short by a time limit keeps what it measured."""
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    after each row (rank 0), so a run cut short by a time limit keeps what it measured.
+
+    ``groups``: CP size -> this rank's CP group of that size."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     backend = resolve_backend(args.backend, device)
+    modes = [(e, o) for e, o in TIMED_MODES if e == "selective" or ("on" if o else "off")
+             in args.overlap]
     rows = result.setdefault("results", [])
+    is_logger = dist.get_rank() == 0
     for seqlen in args.seqlens:
         for dist_name in args.dists:
             x = _inputs(seqlen, PAPER, dtype, device, seed=3, coherent=dist_name == "coherent")
             cu = torch.tensor([0, seqlen], dtype=torch.int32, device=device)
             kl_scale = 1.0 / (seqlen * PAPER["hi"])
-            full = {n: t.requires_grad_(True) for n, t in x.items()}
+            full = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
 
             def step_cp1():
                 for t in full.values():
@@ -186,42 +217,54 @@ def bench(args, device, group, result: dict) -> None:
                 out, kl = res.out, res.kl
                 (out.float().sum() + kl).backward()
 
-            times = _time_steps(step_cp1, args.iters, device, group)
+            times = _time_steps(step_cp1, args.iters, device)
+            cp1_ms = statistics.median(times)
             rows.append({"seqlen": seqlen, "index_inputs": dist_name, "cp": 1, "exchange": None,
-                         "ms_median": statistics.median(times), "ms": times})
-            if rank == 0:
-                print(f"S={seqlen} {dist_name} CP=1: {statistics.median(times):.1f} ms", flush=True)
+                         "ms_median": cp1_ms, "ms": times})
+            if is_logger:
+                print(f"S={seqlen} {dist_name} CP=1: {cp1_ms:.1f} ms", flush=True)
                 _write(args.output, result)
             del full
-            local = _local(x, cu, cp, rank)
+            for cp, group in sorted(groups.items()):
+                rank = dist.get_rank(group)
+                local = _local(x, cu, cp, rank)
+                for exchange, overlap in modes:
+                    last = {}
+
+                    def step_cp():
+                        for t in local.values():
+                            t.grad = None
+                        res = msa_layer(
+                            *(local[n] for n in NAMES), cu_seqlens=cu,
+                            groups=ParallelGroups(cp=group),
+                            options=MSAOptions(kv_exchange=exchange, overlap_kv_exchange=overlap,
+                                               backend=backend, **OPTIONS),
+                            kl_scale=kl_scale)
+                        out, kl, stats = res.out, res.kl, res.stats
+                        (out.float().sum() + kl).backward()
+                        last["stats"] = stats
+
+                    times = _time_steps(step_cp, args.iters, device)
+                    ms = statistics.median(times)
+                    per_rank = [None] * cp
+                    dist.all_gather_object(per_rank, dict(last["stats"]), group=group)
+                    target = TARGET_SLACK * cp1_ms / cp
+                    rows.append({"seqlen": seqlen, "index_inputs": dist_name, "cp": cp,
+                                 "exchange": exchange, "overlap": overlap if exchange ==
+                                 "allgather" else None, "ms_median": ms, "ms": times,
+                                 "speedup_vs_cp1": cp1_ms / ms, "target_ms": target,
+                                 "meets_target": ms <= target, "stats_per_rank": per_rank,
+                                 "bytes_recv_per_rank": [cp_bytes_moved(s) for s in per_rank]})
+                    if is_logger:
+                        label = exchange + ("" if exchange != "allgather" else
+                                            " overlap" if overlap else " blocking")
+                        print(f"S={seqlen} {dist_name} CP={cp} {label}: {ms:.1f} ms "
+                              f"({cp1_ms / ms:.2f}x CP=1; target <= {target:.1f} ms "
+                              f"{'met' if ms <= target else 'missed'}), bytes recv/rank "
+                              f"{[cp_bytes_moved(s) for s in per_rank]}", flush=True)
+                        _write(args.output, result)
+                del local
             del x
-            for exchange in EXCHANGES:
-                last = {}
-
-                def step_cp():
-                    for t in local.values():
-                        t.grad = None
-                    res = msa_layer(
-                        *(local[n] for n in NAMES), cu_seqlens=cu, groups=ParallelGroups(cp=group),
-                        options=MSAOptions(kv_exchange=exchange, backend=backend, **OPTIONS),
-                        kl_scale=kl_scale)
-                    out, kl, stats = res.out, res.kl, res.stats
-                    (out.float().sum() + kl).backward()
-                    last["stats"] = stats
-
-                times = _time_steps(step_cp, args.iters, device, group)
-                per_rank = [None] * cp
-                dist.all_gather_object(per_rank, dict(last["stats"]), group=group)
-                rows.append({"seqlen": seqlen, "index_inputs": dist_name, "cp": cp,
-                             "exchange": exchange, "ms_median": statistics.median(times),
-                             "ms": times, "stats_per_rank": per_rank,
-                             "bytes_recv_per_rank": [cp_bytes_moved(s) for s in per_rank]})
-                if rank == 0:
-                    print(f"S={seqlen} {dist_name} CP={cp} {exchange}: "
-                          f"{statistics.median(times):.1f} ms, bytes recv/rank "
-                          f"{[cp_bytes_moved(s) for s in per_rank]}", flush=True)
-                    _write(args.output, result)
-            del local
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
@@ -254,7 +297,13 @@ def main() -> int:
     parser.add_argument("output", help="JSON file to write (rank 0)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--backend", default=None, help="MSA backend (default: automatic)")
-    parser.add_argument("--seqlens", type=int, nargs="+", default=[65536, 131072, 262144])
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[131072, 262144, 524288])
+    parser.add_argument("--cp-sizes", type=int, nargs="+", default=None,
+                        help="CP sizes to check and time (default: 2, 4, ... up to the world "
+                             "size; each must divide the world size)")
+    parser.add_argument("--overlap", nargs="+", choices=("on", "off"), default=["on", "off"],
+                        help="allgather with the K/V all-gather overlapped with the selection "
+                             "(on), blocking after it (off), or both")
     parser.add_argument("--dists", nargs="+", choices=("iid", "coherent"),
                         default=["iid", "coherent"])
     parser.add_argument("--iters", type=int, default=3)
@@ -270,16 +319,29 @@ def main() -> int:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
-    group = dist.group.WORLD
+    world = dist.get_world_size()
+    cp_sizes = args.cp_sizes or [2 ** i for i in range(1, world.bit_length())
+                                 if world % 2 ** i == 0]
+    if not cp_sizes or any(c < 2 or world % c for c in cp_sizes):
+        parser.error(f"--cp-sizes {cp_sizes}: each must be >= 2 and divide the world size "
+                     f"{world}")
+    groups = {}
+    for cp in cp_sizes:  # every rank creates every group (a collective), keeps its own
+        for first in range(0, world, cp):
+            group = dist.new_group(list(range(first, first + cp)))
+            if first <= dist.get_rank() < first + cp:
+                groups[cp] = group
     result = {"environment": _environment(device), "config": {**PAPER, **OPTIONS},
-              "check": check_correctness(args, device, group)}
-    ok = all(result["check"][e]["ok"] for e in EXCHANGES)
+              "cp_sizes": cp_sizes,
+              "check": {str(cp): check_correctness(args, device, groups[cp]) for cp in cp_sizes}}
+    checks = [result["check"][str(cp)][e] for cp in cp_sizes for e in EXCHANGES]
+    ok = all(c["ok"] for c in checks)
     if dist.get_rank() == 0:
         print("correctness:", json.dumps(result["check"], indent=1), flush=True)
     if dist.get_rank() == 0:
         _write(args.output, result)
     if ok and not args.check_only:
-        bench(args, device, group, result)
+        bench(args, device, groups, result)
     if dist.get_rank() == 0:
         _write(args.output, result)
         print(f"wrote {args.output}")

@@ -113,6 +113,39 @@ def test_patched_files_compile(training_tree: Path):
         compile(path.read_text(), str(path), "exec")
 
 
+def _enclosing_tests(tree: ast.AST, target: ast.AST) -> List[str]:
+    """Source of the ``if`` tests around ``target`` (outermost first)."""
+    found: List[str] = []
+
+    def visit(node: ast.AST, tests: List[str]) -> bool:
+        if node is target:
+            found.extend(tests)
+            return True
+        inner = tests + [ast.unparse(node.test)] if isinstance(node, ast.If) else tests
+        if isinstance(node, ast.If):  # the test itself is not inside the branch
+            return any(visit(child, inner) for child in node.body) or any(
+                visit(child, tests) for child in node.orelse)
+        return any(visit(child, tests) for child in ast.iter_child_nodes(node))
+
+    visit(tree, [])
+    return found
+
+
+@pytest.mark.skipif(shutil.which("patch") is None, reason="GNU patch is not installed")
+def test_patched_training_log_gathers_msa_metrics_at_the_log_interval(training_tree: Path):
+    """get_msa_metrics (a world all-reduce) runs only on the iterations Megatron prints, like
+    the entry point's MSAMetricsLog, never every iteration."""
+    _apply_all(training_tree)
+    tree = ast.parse((training_tree / TREE_PREFIX / "training.py").read_text())
+    log = next(node for node in ast.walk(tree)
+               if isinstance(node, ast.FunctionDef) and node.name == "training_log")
+    calls = [node for node in ast.walk(log) if isinstance(node, ast.Call)
+             and isinstance(node.func, ast.Name) and node.func.id == "get_msa_metrics"]
+    assert len(calls) == 1
+    tests = _enclosing_tests(log, calls[0])
+    assert any("args.log_interval" in test and "args.msa" in test for test in tests), tests
+
+
 def _msa_argument_functions(arguments_py: Path) -> dict:
     """Execute only the MSA flag definitions of the patched arguments.py (megatron.training
     itself needs Python >= 3.12 and CUDA-era imports)."""

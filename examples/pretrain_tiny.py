@@ -510,35 +510,51 @@ def probe_due(step: int, args: argparse.Namespace) -> bool:
 def arm_probe(model: GPTModel, window: Window, batch: Batch, args: argparse.Namespace,
               step: int):
     """Arm the selection probe on ``--probe-rows`` uniform local rows plus, for the retrieval
-    task, the rows that must find a record. Returns ``(probe, uniform_count)``."""
+    task, the rows that must find a record among those this CP rank holds (answer rows are
+    rows of the whole window; under CP each question's row lives on one rank).
+
+    Returns ``(probe, uniform_count, questions)``: ``questions`` ``[Q_local]`` int64 indexes
+    ``window.answers`` for the probed answer rows, in the order they follow the uniform rows.
+    """
     generator = torch.Generator().manual_seed(args.seed + step)
     uniform = sample_rows(batch.rows.numel(), args.probe_rows, generator)
     rows = [uniform]
+    questions = torch.zeros(0, dtype=torch.int64)
     if window.answers is not None:
-        rows.append(torch.tensor(window.answers.first_rows, dtype=torch.int64))
-    return arm_selection_probe(model, rows=torch.cat(rows)), uniform.numel()
+        local = torch.full((window.tokens.numel(),), -1, dtype=torch.int64)
+        local[batch.rows] = torch.arange(batch.rows.numel())
+        at = local[torch.tensor(window.answers.first_rows, dtype=torch.int64)]
+        questions = torch.nonzero(at >= 0).flatten()
+        rows.append(at[questions])
+    return arm_selection_probe(model, rows=torch.cat(rows)), uniform.numel(), questions
 
 
-def summarize_probe(probe, uniform_count: int, window: Window, block_size: int,
+def summarize_probe(probe, uniform_count: int, questions: torch.Tensor, window: Window,
                     device: torch.device) -> Dict[str, List[float]]:
     """Per-layer recall over uniform rows, recall over the answer rows and the share of (question,
-    index head) whose selection holds the asked record's block, averaged over all ranks."""
+    index head) whose selection holds the asked record's block: pooled over every rank's
+    (row, index head) samples (a collective over the world; under CP the ranks hold different
+    rows, under TP different heads). ``questions``: from :func:`arm_probe`."""
     layers = sorted(probe.samples)
-    stats = torch.zeros(3, len(layers), dtype=torch.float64, device=device)
+    # rows: recall, answer-row recall, record block chosen; sums then counts
+    stats = torch.zeros(6, len(layers), dtype=torch.float64, device=device)
     for j, layer in enumerate(layers):
         sample = probe.samples[layer]
-        stats[0, j] = float(sample.recall[:uniform_count].mean())
-        if window.answers is not None and sample.recall.shape[0] > uniform_count:
-            stats[1, j] = float(sample.recall[uniform_count:].mean())
+        uniform = sample.recall[:uniform_count].double()
+        stats[0, j], stats[3, j] = float(uniform.sum()), uniform.numel()
+        if window.answers is not None and questions.numel():
+            answer = sample.recall[uniform_count:].double()
+            stats[1, j], stats[4, j] = float(answer.sum()), answer.numel()
             chosen = sample.block_idx[uniform_count:].to(torch.int64)  # [Q, Hi, k]
-            spans = torch.tensor(window.answers.record_blocks, dtype=torch.int64,
-                                 device=chosen.device)
+            spans = torch.tensor(window.answers.record_blocks, dtype=torch.int64)[questions]
+            spans = spans.to(chosen.device)
             inside = (chosen >= spans[:, None, None, 0]) & (chosen <= spans[:, None, None, 1])
-            stats[2, j] = float(inside.any(dim=-1).double().mean())
+            hit = inside.any(dim=-1)
+            stats[2, j], stats[5, j] = float(hit.double().sum()), hit.numel()
     dist.all_reduce(stats)
-    stats /= dist.get_world_size()
-    return {"recall": stats[0].tolist(), "recall_answer": stats[1].tolist(),
-            "key_hit": stats[2].tolist()}
+    means = stats[:3] / stats[3:].clamp(min=1)
+    return {"recall": means[0].tolist(), "recall_answer": means[1].tolist(),
+            "key_hit": means[2].tolist()}
 
 
 def set_top_k(model: GPTModel, top_k: int) -> None:
@@ -611,7 +627,6 @@ def train_steps(history: History, model: GPTModel, optimizer: torch.optim.Optimi
     dp_rank, dp_size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
     is_logger = dist.get_rank() == 0
     autocast = args.dtype == "bf16"
-    probing = args.cp == 1  # the selection probe does not gather keys across CP ranks yet
     start = time.perf_counter()
     for step in steps:
         step_start = time.perf_counter()
@@ -620,8 +635,7 @@ def train_steps(history: History, model: GPTModel, optimizer: torch.optim.Optimi
         window = train_windows[step * dp_size + dp_rank]
         batch = make_batch(window, cp_group, args.block_size, args.top_k, device,
                            args.answer_weight)
-        probe = arm_probe(model, window, batch, args, step) if probing and probe_due(step, args) \
-            else None
+        probe = arm_probe(model, window, batch, args, step) if probe_due(step, args) else None
         optimizer.zero_grad(set_to_none=True)
         loss, answer_share = lm_loss(model, batch, autocast, answers=True)
         loss.backward()
@@ -634,8 +648,7 @@ def train_steps(history: History, model: GPTModel, optimizer: torch.optim.Optimi
                                answer_share], dtype=torch.float64, device=device)
         dist.all_reduce(logged, group=dp_cp_group)  # loss: sum of shares; fraction: mean below
         kl_per_layer = layer_kls(get_msa_metrics())  # collective: every rank calls it
-        probed = summarize_probe(probe[0], probe[1], window, args.block_size, device) \
-            if probe is not None else None
+        probed = summarize_probe(*probe, window, device) if probe is not None else None
         accuracy = None
         if (window.answers is not None and args.eval_interval > 0
                 and (step + 1) % args.eval_interval == 0):
@@ -684,9 +697,8 @@ def finish(history: History, model: GPTModel, args: argparse.Namespace, device: 
     """Held-out LM loss (and retrieval metrics) of a trained variant, into ``history``."""
     name = history.name
     is_logger = dist.get_rank() == 0
-    probing = args.cp == 1
     held_out = evaluate(model, eval_windows, args, device)
-    retrieval = (evaluate_retrieval(model, eval_windows, args, device, probing)
+    retrieval = (evaluate_retrieval(model, eval_windows, args, device, True)
                  if eval_windows and eval_windows[0].answers is not None else None)
     if is_logger:
         history.held_out_loss = held_out
@@ -762,15 +774,23 @@ def evaluate_retrieval(model: GPTModel, windows: List[Window], args: argparse.Na
         set_chance.extend(window.answers.value_set_chance)
         answers += rows.numel()
         if probe is not None:
-            probed = summarize_probe(probe[0], probe[1], window, args.block_size, device)
+            probed = summarize_probe(*probe, window, device)
             result.update({key: mean(values) for key, values in probed.items()})
             result.update({f"{key}_per_layer": values for key, values in probed.items()})
             uniform = probe[1]
-            result["distance_histogram"] = {
+            histograms = {
                 f"layer_{layer:02d}": distance_histogram(
                     sample.block_idx[:uniform], sample.q_pos[:uniform], args.block_size,
                     max(window.seq_lens) // args.block_size)
                 for layer, sample in sorted(probe[0].samples.items())}
+            # every CP rank sampled rows of its own: the counts of all of them (this TP rank's
+            # heads)
+            counts = torch.tensor([[float(n) for n in h.values()] for h in histograms.values()],
+                                  dtype=torch.float64, device=device)
+            dist.all_reduce(counts, group=cp_group)
+            result["distance_histogram"] = {
+                layer: {label: int(n) for label, n in zip(h, row.tolist())}
+                for (layer, h), row in zip(histograms.items(), counts)}
     dist.all_reduce(loss_sum, group=cp_group)
     result.update({"exact_match": retrieval_task.exact_match(correct, value_len),
                    "answer_loss": float(loss_sum) / max(answers, 1), "questions": len(correct),

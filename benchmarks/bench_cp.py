@@ -31,7 +31,9 @@ What it does, in one run:
    inputs iid and coherent (as ``docs/BENCHMARK.md``). The time of a step is the slowest rank's
    (all ranks of the world, concurrent CP groups included). Each CP row records its speed-up
    over CP=1 and the issue's target, ``ms <= 1.05 * CP=1 ms / CP``. Bytes moved per rank come
-   from the layer's statistics.
+   from the layer's statistics. A "compute only" row per CP size times what a rank computes
+   without any exchange (its queries against global K/V it already holds): what overlap alone
+   could reach.
 """
 
 from __future__ import annotations
@@ -51,11 +53,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from msa_megatron.core import MSAOptions, msa_layer  # noqa: E402
+from msa_megatron.core import MSAOptions, attention_and_kl, msa_layer  # noqa: E402
 from msa_megatron.layout import query_layout  # noqa: E402
 from msa_megatron.ops.backends import get_backend, resolve_backend  # noqa: E402
 from msa_megatron.parallel.context import cp_bytes_moved  # noqa: E402
-from msa_megatron.parallel.cp_layout import split_for_cp_rank  # noqa: E402
+from msa_megatron.parallel.cp_layout import build_cp_layout, split_for_cp_rank  # noqa: E402
 from msa_megatron.parallel.groups import ParallelGroups  # noqa: E402
 
 PAPER = dict(hq=64, hkv=4, hi=4, hik=1, d=128, di=128)
@@ -191,6 +193,44 @@ def _time_steps(step, iters: int, device) -> List[float]:
     return times
 
 
+def _time_compute_only(args, device, x, local, cu, cp: int, rank: int, kl_scale: float,
+                       cp1_ms: float, seqlen: int, dist_name: str, rows: list) -> None:
+    """Time what one CP rank computes, without any CP collective or copy: select, attention and
+    KL of its local queries against the global K/V and index keys every rank already holds
+    (``x``), fwd+bwd. The gap to a CP row is the exchange's cost not hidden; the gap between
+    this row and ``CP=1 / cp`` is the work CP adds (global-length key buffers, load imbalance).
+    """
+    backend = resolve_backend(args.backend, device)
+    options = MSAOptions(backend=backend, **OPTIONS)
+    impl = get_backend(backend)
+    layout = build_cp_layout(cu, cp, rank, OPTIONS["block_size"], device,
+                             total_local=local["q"].shape[0])
+    keys = {n: x[n].detach().requires_grad_(True) for n in ("k", "v", "k_idx")}
+
+    def step():
+        for t in list(local.values()) + list(keys.values()):
+            t.grad = None
+        with torch.no_grad():
+            block_idx = impl.select(local["q_idx"].detach(), keys["k_idx"].detach(),
+                                    layout.q_pos, layout.q_kbase, **options.select_kwargs())
+        out, kl = attention_and_kl(impl, options, local["q"], keys["k"], keys["v"],
+                                   local["q_idx"], keys["k_idx"], block_idx, layout.q_pos,
+                                   layout.q_kbase, kl_scale=kl_scale)
+        (out.float().sum() + kl).backward()
+
+    times = _time_steps(step, args.iters, device)
+    ms = statistics.median(times)
+    rows.append({"seqlen": seqlen, "index_inputs": dist_name, "cp": cp,
+                 "exchange": "none (compute only)", "overlap": None, "ms_median": ms,
+                 "ms": times, "speedup_vs_cp1": cp1_ms / ms,
+                 "target_ms": TARGET_SLACK * cp1_ms / cp})
+    if dist.get_rank() == 0:
+        print(f"S={seqlen} {dist_name} CP={cp} compute only (no exchange): {ms:.1f} ms "
+              f"({cp1_ms / ms:.2f}x CP=1)", flush=True)
+    for t in keys.values():
+        t.grad = None
+
+
 def bench(args, device, groups: Dict[int, dist.ProcessGroup], result: dict) -> None:
     """Time every configuration; appends rows to ``result["results"]`` and rewrites the JSON
     after each row (rank 0), so a run cut short by a time limit keeps what it measured.
@@ -207,7 +247,7 @@ def bench(args, device, groups: Dict[int, dist.ProcessGroup], result: dict) -> N
             x = _inputs(seqlen, PAPER, dtype, device, seed=3, coherent=dist_name == "coherent")
             cu = torch.tensor([0, seqlen], dtype=torch.int32, device=device)
             kl_scale = 1.0 / (seqlen * PAPER["hi"])
-            full = {n: t.detach().clone().requires_grad_(True) for n, t in x.items()}
+            full = {n: t.requires_grad_(True) for n, t in x.items()}
 
             def step_cp1():
                 for t in full.values():
@@ -224,6 +264,9 @@ def bench(args, device, groups: Dict[int, dist.ProcessGroup], result: dict) -> N
             if is_logger:
                 print(f"S={seqlen} {dist_name} CP=1: {cp1_ms:.1f} ms", flush=True)
                 _write(args.output, result)
+            for t in x.values():  # free the CP=1 gradients before the CP runs
+                t.grad = None
+                t.requires_grad_(False)
             del full
             for cp, group in sorted(groups.items()):
                 rank = dist.get_rank(group)
@@ -263,6 +306,10 @@ def bench(args, device, groups: Dict[int, dist.ProcessGroup], result: dict) -> N
                               f"{'met' if ms <= target else 'missed'}), bytes recv/rank "
                               f"{[cp_bytes_moved(s) for s in per_rank]}", flush=True)
                         _write(args.output, result)
+                _time_compute_only(args, device, x, local, cu, cp, rank, kl_scale, cp1_ms,
+                                   seqlen, dist_name, rows)
+                if is_logger:
+                    _write(args.output, result)
                 del local
             del x
             if device.type == "cuda":

@@ -119,11 +119,12 @@ class _StartedGather:
                 self.buffers.append(gathered)
 
     def wait(self) -> List[torch.Tensor]:
-        """The rank-major gathered buffers, once every collective has completed."""
+        """The rank-major gathered buffers, once every collective has completed (handed over:
+        this object keeps no reference, so they are freed as soon as the caller drops them)."""
         for work in self.works:
             work.wait()
-        self.works = []
-        return self.buffers
+        buffers, self.works, self.buffers = self.buffers, [], []
+        return buffers
 
 
 class _GatherRows(torch.autograd.Function):
@@ -138,8 +139,11 @@ class _GatherRows(torch.autograd.Function):
         ctx.layout, ctx.group, ctx.stats, ctx.prefix = layout, group, stats, prefix
         peers = layout.cp_size - 1
         outs = []
-        for x, gathered in zip(xs, started.wait()):
+        buffers = started.wait()
+        for x in xs:
+            gathered = buffers.pop(0)  # each rank-major buffer is freed once reordered
             outs.append(gathered.index_select(0, layout.gathered_to_global))
+            del gathered
             stats[f"{prefix}_fwd_bytes_sent"] += peers * x.shape[0] * _row_bytes(x)
             stats[f"{prefix}_fwd_bytes_recv"] += peers * x.shape[0] * _row_bytes(x)
         return tuple(outs)
@@ -361,11 +365,13 @@ class KVExchange:
             raise RuntimeError("KVExchange.finish was already called")
         self._done = True
         layout, k, v, stats = self.layout, self.k, self.v, self.stats
+        self.k = self.v = None
         remote_rows = (layout.cp_size - 1) * layout.total_local * k.shape[1]
         stats["kv_head_rows_remote"] += remote_rows
         if self.kv_exchange == "allgather":
-            k_global, v_global = _GatherRows.apply(layout, self.group, stats, "kv",
-                                                   self._started, k, v)
+            started, self._started = self._started, None
+            k_global, v_global = _GatherRows.apply(layout, self.group, stats, "kv", started,
+                                                   k, v)
             stats["kv_head_rows_fetched"] += remote_rows
             return k_global, v_global
         plan = build_selective_plan(layout, needed_blocks(layout, block_idx, k.shape[1]),

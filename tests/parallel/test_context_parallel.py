@@ -291,9 +291,11 @@ def _call_order_worker(rank, world_size):
     from msa_megatron.parallel import context
 
     backend = get_backend("torch")
+    device = torch.device("cuda", rank) if selected_device() == "cuda" else torch.device("cpu")
     case = dict(layout="thd", seed=50, mode="sparse")
-    cu = _case_cu(case)
+    cu = _case_cu(case).to(device)
     x, w_out = _global_inputs(case, HEADS)
+    x, w_out = {n: t.to(device) for n, t in x.items()}, w_out.to(device)
     group = dist.new_group(list(range(world_size)))
     runs = {}
     for overlap in (True, False):
@@ -346,6 +348,7 @@ def _kv_overlaps_selection(events):
 
 @pytest.mark.slow
 def test_kv_allgather_starts_before_selection_and_is_waited_before_attention():
+    skip_without_gpus(2)
     for runs in run_distributed(_call_order_worker, 2):
         on, off = runs[True], runs[False]
         assert _kv_overlaps_selection(on["events"]), on["events"]

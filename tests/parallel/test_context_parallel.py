@@ -374,6 +374,9 @@ def test_resolve_cp_kv_exchange():
     assert MSAOptions().kv_exchange == "allgather"
     with pytest.raises(ValueError, match="cp_kv_exchange"):
         resolve_cp_kv_exchange("ring")
+    assert MSAOptions().overlap_kv_exchange is True
+    with pytest.raises(TypeError, match="overlap_kv_exchange"):
+        MSAOptions(overlap_kv_exchange=1)
 
 
 def test_layout_rejects_lengths_not_divisible_by_2cp():

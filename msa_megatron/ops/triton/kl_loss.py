@@ -324,12 +324,14 @@ def kl_loss(
             q_idx.new_empty((0,)), k_idx.new_empty((0,)))
         return torch.zeros((), dtype=torch.float32, device=dev), *empty
     upcast, ieee = dot_flags(q.dtype)
-    # 64 query rows per key-side tile: with 128 (KL_ROWS) the sparse pass-B kernel at
-    # D = Di = 128 needs 256 KiB of shared memory under Triton 3.6 (H200 limit 227 KiB; 176 KiB
-    # with 64 rows), which the interpreter does not check.
-    tok, hr = query_tiling(hpi, tile_rows(GATHER_ROWS, q.dtype))
     opts = stage_options(q.dtype)
     kl_rows = tile_rows(KL_ROWS, q.dtype)
+    # Query rows per key-side tile: KL_ROWS in the sparse pass B (v4's tiles; both variants fit
+    # sm_90 under Triton 3.6 at D = Di = 128: 227 / 193 KiB, benchmarks/NOTES.md "v6 -> v7"),
+    # GATHER_ROWS in the dense key kernel (at 128 rows it asks for 256 KiB, over the H200's
+    # 227 KiB; the interpreter checks no limit).
+    tok, hr = query_tiling(hpi, tile_rows(GATHER_ROWS, q.dtype))
+    tok_b, hr_b = query_tiling(hpi, kl_rows)
     scales = (float(softmax_scale), float(index_scale), float(kl_scale))
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
                q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), k_idx.stride(1))
@@ -368,8 +370,7 @@ def kl_loss(
         num_warps=warps_for(rows_tok * rows_hr), **opts,
     )
     sums = [kl_tok.sum()]
-    part = None if rev is None else torch.zeros((n_units, Tk, Di), dtype=torch.float32,
-                                                device=dev)
+    part = None
     if compute_grad:
         part = torch.empty((n_units, Tk, Di), dtype=torch.float32, device=dev)
         ks = KEY_SUBTILE
@@ -384,6 +385,8 @@ def kl_loss(
             IEEE=ieee, bad_ptr=bad, num_warps=warps_for(max(tok * hr, ks)), **opts,
         )
     if rev is not None:
+        if part is None:  # the value only: pass B still adds its (unused) index-key gradient
+            part = torch.zeros((n_units, Tk, Di), dtype=torch.float32, device=dev)
         ks = min(block_size, KEY_SUBTILE)
         nsub = block_size // ks
         per_query = Hi * top_k * nsub * (Di + 1) * 4
@@ -400,10 +403,10 @@ def kl_loss(
                 q_idx, k_idx, lse_z, q_pos, q_kbase, part, pkl, pdqi, rev.pair,
                 rev.off, rev.starts, rev.meta, rev.sub_t0, rev.full, q_pos, q_pos, sc0, sc0 + step,
                 Tq, Tk, *scales, *strides, lse_z.stride(0), part.stride(0),
-                HI=Hi, TOPK=top_k, HPI=hpi, HR=hr, TOK=tok, IPG=ipg, HPK=hpk, UNIT=unit, D=D,
-                DI=Di, BN=block_size, KS=ks, SUB=SUB_CHUNKS, SPARSE=True, FULL=SPARSE_ROWS,
-                UPCAST=upcast, IEEE=ieee, bad_ptr=bad, num_warps=warps_for(max(tok * hr, ks)),
-                **opts,
+                HI=Hi, TOPK=top_k, HPI=hpi, HR=hr_b, TOK=tok_b, IPG=ipg, HPK=hpk, UNIT=unit,
+                D=D, DI=Di, BN=block_size, KS=ks, SUB=SUB_CHUNKS, SPARSE=True, FULL=SPARSE_ROWS,
+                UPCAST=upcast, IEEE=ieee, bad_ptr=bad,
+                num_warps=warps_for(max(tok_b * hr_b, ks)), **opts,
             )
             sums.append(pkl.sum())
             if compute_grad:

@@ -23,8 +23,9 @@ Two kernels:
    most ``2 max|k_idx|`` (``sum_u |dz| <= 2``), far inside the int64 range.
 
 Non-finite inputs (MSA_SPEC section 7, issue 15's scheme of :mod:`._isolation`): both gradient
-products are :func:`~._isolation.support_mma` (the plain product when the index tile is finite,
-a per-tile check; else NaN exactly where a row's support meets a NaN/Inf index row), supports
+products are :func:`~._isolation.support_mma` (NaN exactly where a row's support meets a NaN/Inf
+index row), in the ``ISO`` variant the device flag selects when ``q_idx`` or ``k_idx`` holds
+NaN/Inf (:func:`~._isolation.launch_both`; finite inputs run the plain products), supports
 are applied with ``where``, never by multiplying, ``lse_z`` is :func:`~._isolation.log_sum_exp`
 (NaN/+inf kept) and a NaN teacher entry counts in the KL (``T != 0``), so the KL is NaN as soon
 as one row's is. A NaN/Inf ``dq_idx`` entry cannot be held in fixed point: it is stored as 0
@@ -44,7 +45,7 @@ import triton
 import triton.language as tl
 
 from ._common import dot_flags, interpreting, mma, stage_options, tile_rows
-from ._isolation import log_sum_exp, nonfinite, support_mma
+from ._isolation import launch_both, log_sum_exp, nonfinite, nonfinite_flag, skip, support_mma
 
 TILES_ENV = "MSA_DENSE_KL_TILES"
 _DEFAULT_TILES = (128, 64, 8, 2)
@@ -118,10 +119,12 @@ def _dense_kl_kernel(
     HI: tl.constexpr, HPI: tl.constexpr, IPG: tl.constexpr, HPK: tl.constexpr,
     D: tl.constexpr, DI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     GRAD: tl.constexpr, FIXED: tl.constexpr, DZS: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, ISO: tl.constexpr, bad_ptr,
 ):
     """Key-tile-outer pass: KL partial per program, ``dk_idx`` partial per index head, fixed-point
-    ``dq_idx`` (module docstring)."""
+    ``dq_idx`` (module docstring). ``ISO``: the isolating products (``launch_both``)."""
+    if skip(bad_ptr, ISO):
+        return
     n = tl.program_id(0)
     i = tl.program_id(1)
     g = i // IPG
@@ -136,7 +139,7 @@ def _dense_kl_kernel(
     kit = tl.load(ki_ptr + k64[:, None] * s_jt + j * s_jh + di[None, :], mask=kmask[:, None],
                   other=0.0)
     # Gradient products go through support_mma (MSA_SPEC 7): a 0 weight times a NaN/Inf index
-    # row would otherwise reach every row of the tile, across sequences.
+    # row would otherwise reach every row of the tile, across sequences (ISO variant only).
     kit_bad = nonfinite(kit)
     dk = tl.zeros([BN, DI], tl.float32)
     kl_rows = tl.zeros([BM], tl.float32)
@@ -171,8 +174,10 @@ def _dense_kl_kernel(
         if GRAD:
             dz = tl.where(inside, tl.exp(log_qs) - teacher, 0.0) * DZS
             dk += support_mma(tl.trans(dz.to(qi.dtype)), qi, nonfinite(qi), tl.trans(inside),
-                              UPCAST, IEEE, True)
-            dq = support_mma(dz.to(kit.dtype), kit, kit_bad, inside, UPCAST, IEEE, True)
+                              UPCAST, IEEE, ISO)
+            dq = support_mma(dz.to(kit.dtype), kit, kit_bad, inside, UPCAST, IEEE, ISO)
+            # (dz itself may be NaN/Inf where q, k or lse is: not isolated, MSA_SPEC 7 lets it
+            # reach the row and key it belongs to; both variants keep it out of fixed point.)
             # Fixed point holds the finite entries; a row with a NaN/Inf entry gets NaN through
             # the float channel (only 0 or NaN are added there: order-independent).
             dq_bad = nonfinite(dq)
@@ -264,14 +269,16 @@ def dense_kl_loss(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: float,
         dk_part = torch.empty((Hi, Tk, Di), dtype=torch.float32, device=dev)
     else:
         dq_fixed = dq_nan = dk_part = kl_part  # unused placeholders
-    _dense_kl_kernel[(n_tiles, Hi)](
+    bad = nonfinite_flag(q_idx, k_idx)  # the operands support_mma isolates
+    launch_both(
+        _dense_kl_kernel, (n_tiles, Hi),
         q, k, lse, q_idx, k_idx, lse_z, q_pos, q_kbase, m_lo, m_hi, dq_fixed, dq_nan, dk_part,
         kl_part, Tq, Tk, scale2, iscale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0), q_idx.stride(0),
         q_idx.stride(1), k_idx.stride(0), k_idx.stride(1), lse_z.stride(0),
         HI=Hi, HPI=Hq // Hi, IPG=Hi // Hkv, HPK=Hi // Hik, D=D, DI=Di, BM=bm, BN=bn,
         GRAD=compute_grad, FIXED=_FIXED_SCALE, DZS=_DZ_SCALE, UPCAST=upcast, IEEE=ieee,
-        num_warps=warps, num_stages=stages,
+        bad_ptr=bad, num_warps=warps, num_stages=stages,
     )
     value = kl_part.sum() * kl_scale
     if not compute_grad:

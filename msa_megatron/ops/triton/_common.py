@@ -151,6 +151,32 @@ def support_mask(krow, kmask, kbase, pos, valid):
 
 
 @triton.jit
+def student_row_stats(qi, ki_ptr, j, s_jt, s_jh, kbase, pos, rows, k_lo, k_hi, iscale,
+                      BN: tl.constexpr, DI: tl.constexpr, UPCAST: tl.constexpr,
+                      IEEE: tl.constexpr):
+    """Online softmax statistics of the student logits ``z = iscale * q_idx k_idx^T`` over each
+    row's causal keys: ``(m, l)``, the running max and the sum of ``exp(z - m)``, over key rows
+    ``k_lo .. k_hi`` of index key head ``j`` in tiles of ``BN`` (``qi [R, DI]``, per-row
+    ``kbase``/``pos``/``rows``). The row's ``lse_z`` is ``_isolation.log_sum_exp(m, l)``."""
+    R: tl.constexpr = qi.shape[0]
+    di = tl.arange(0, DI)
+    mz = tl.full([R], float("-inf"), tl.float32)
+    lz = tl.zeros([R], tl.float32)
+    for k0 in range(k_lo, k_hi + 1, BN):
+        krow = k0 + tl.arange(0, BN)
+        kmask = krow <= k_hi
+        kit = tl.load(ki_ptr + krow.to(tl.int64)[:, None] * s_jt + j * s_jh + di[None, :],
+                      mask=kmask[:, None], other=0.0)
+        z = mma(qi, tl.trans(kit), UPCAST, IEEE) * iscale
+        z = tl.where(support_mask(krow, kmask, kbase, pos, rows), z, float("-inf"))
+        m_new = tl.maximum(mz, tl.max(z, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        lz = lz * tl.exp(mz - m_use) + tl.sum(tl.exp(z - m_use[:, None]), axis=1)
+        mz = m_new
+    return mz, lz
+
+
+@triton.jit
 def token_mean(p, TOK: tl.constexpr, HR: tl.constexpr, HEADS: tl.constexpr):
     """Mean over each token's ``HEADS`` head rows of ``p [TOK*HR, N]``, broadcast back to its rows.
 

@@ -44,7 +44,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dot_flags, interpreting, mma, stage_options, tile_rows
+from ._common import (
+    dot_flags, interpreting, mma, stage_options, student_row_stats, support_mask, tile_rows,
+)
 from ._isolation import launch_both, log_sum_exp, nonfinite, nonfinite_flag, skip, support_mma
 
 TILES_ENV = "MSA_DENSE_KL_TILES"
@@ -91,21 +93,8 @@ def _lse_z_kernel(qi_ptr, ki_ptr, qpos_ptr, qkb_ptr, lsez_ptr, Tq, Tk, iscale,
                  other=0.0)
     k_lo = tl.min(tl.where(valid, kb, Tk))
     k_hi = tl.max(tl.where(valid, kb + pos, -1))
-    mz = tl.full([BM], float("-inf"), tl.float32)
-    lz = tl.zeros([BM], tl.float32)
-    for k0 in range(k_lo, k_hi + 1, BN):
-        krow = k0 + tl.arange(0, BN)
-        kmask = krow <= k_hi
-        kit = tl.load(ki_ptr + krow.to(tl.int64)[:, None] * s_jt + j * s_jh + di[None, :],
-                      mask=kmask[:, None], other=0.0)
-        z = mma(qi, tl.trans(kit), UPCAST, IEEE) * iscale
-        u = krow[None, :] - kb[:, None]
-        inside = (u >= 0) & (u <= pos[:, None]) & valid[:, None] & kmask[None, :]
-        z = tl.where(inside, z, float("-inf"))
-        m_new = tl.maximum(mz, tl.max(z, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        lz = lz * tl.exp(mz - m_use) + tl.sum(tl.exp(z - m_use[:, None]), axis=1)
-        mz = m_new
+    mz, lz = student_row_stats(qi, ki_ptr, j, s_jt, s_jh, kb, pos, valid, k_lo, k_hi, iscale,
+                               BN, DI, UPCAST, IEEE)
     lse = log_sum_exp(mz, lz)  # NaN / +inf kept (MSA_SPEC 7)
     tl.store(lsez_ptr + t64 * s_zt + i, lse, mask=valid)
 
@@ -151,8 +140,7 @@ def _dense_kl_kernel(
         t64 = t.to(tl.int64)
         pos = tl.load(qpos_ptr + t, mask=valid, other=-1)
         kb = tl.load(qkb_ptr + t, mask=valid, other=0)
-        u = krow[None, :] - kb[:, None]
-        inside = (u >= 0) & (u <= pos[:, None]) & valid[:, None] & kmask[None, :]
+        inside = support_mask(krow, kmask, kb, pos, valid)
         teacher = tl.zeros([BM, BN], tl.float32)
         for hl in range(HPI):
             h = i * HPI + hl

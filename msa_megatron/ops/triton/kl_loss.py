@@ -32,7 +32,7 @@ import triton.language as tl
 from ._common import (
     ALL_ROWS, DENSE_KEY_TILE, DENSE_ROWS, FULL_ROWS, GATHER_ROWS, KEY_SUBTILE, KL_ROWS,
     SPARSE_ROWS, dot_flags, mma, partial_budget, persistent_programs, row_filter, stage_options,
-    support_mask, tile_rows, token_mean,
+    student_row_stats, support_mask, tile_rows, token_mean,
 )
 from ._isolation import launch_both, log_sum_exp, nonfinite, nonfinite_flag, skip, support_mma
 from .backward import sum_partials_kernel
@@ -116,19 +116,8 @@ def _kl_rows_dense_kernel(
     k_lo = tl.min(tl.where(valid, kbase, Tk))
     k_hi = tl.max(tl.where(valid, kbase + pos, -1))
     # Pass 1: the student's log-normaliser over the causal row.
-    mz = tl.full([R], float("-inf"), tl.float32)
-    lz = tl.zeros([R], tl.float32)
-    for k0 in range(k_lo, k_hi + 1, BN):
-        krow = k0 + c
-        kmask = krow <= k_hi
-        kit = tl.load(ki_ptr + krow.to(tl.int64)[:, None] * s_jt + j * s_jh + di[None, :],
-                      mask=kmask[:, None], other=0.0)
-        z = mma(qi, tl.trans(kit), UPCAST, IEEE) * iscale
-        z = tl.where(support_mask(krow, kmask, kbase, pos, first), z, float("-inf"))
-        m_new = tl.maximum(mz, tl.max(z, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        lz = lz * tl.exp(mz - m_use) + tl.sum(tl.exp(z - m_use[:, None]), axis=1)
-        mz = m_new
+    mz, lz = student_row_stats(qi, ki_ptr, j, s_jt, s_jh, kbase, pos, first, k_lo, k_hi, iscale,
+                               BN, DI, UPCAST, IEEE)
     lse_z = tl.where(first, log_sum_exp(mz, lz), 0.0)
     tl.store(lsez_ptr + t64 * s_zt + i, lse_z, mask=first)
     # Pass 2: teacher, KL and the index-query gradient.

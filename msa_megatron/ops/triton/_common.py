@@ -22,6 +22,10 @@ Hi index heads, Hik index key heads):
   their whole causal prefix, ``SPARSE_ROWS``: the others); ``SPARSE``: sparse vs dense variant.
 - ``UPCAST``/``IEEE``: dot-product precision flags of :func:`dot_flags`; ``GRAD``: also write
   gradients.
+- ``ISO``: the variant with NaN/Inf isolation (``_isolation.support_mma``); both variants are
+  launched, the one the device flag ``bad_ptr`` does not select returns at once.
+- ``ROWS``: (token, index head) rows per tile of the KL pass A (one row per pair, no heads);
+  ``FIXED``, ``DZS``: the dense KL's fixed-point scale of ``dq_idx`` and the scale of ``dz``.
 """
 
 from __future__ import annotations

@@ -19,6 +19,9 @@ sizes depend on the element size, :func:`msa_megatron.ops.triton._common.tile_ro
 is recorded as the GPU sets it (False: only the interpreter upcasts bf16 products), so bf16 is
 compiled as it runs on the H200.
 
+Each line also gives ptxas' registers per thread and spill stores / loads in bytes (``ptxas -v``
+of the compiled kernel). ``compile PATH NAME[,NAME...]`` compiles only the kernels so named.
+
 Exit status 1 when a kernel fails to compile or needs more than the limit.
 """
 
@@ -32,6 +35,13 @@ import sys
 
 if sys.argv[1:2] == ["record"]:  # kernels run on CPU; compiling needs real JIT functions
     os.environ["TRITON_INTERPRET"] = "1"
+else:  # ptxas -v printed by every compile (no cache hit), for registers and spills
+    os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
+    os.environ["TRITON_ALWAYS_COMPILE"] = "1"
+
+import contextlib  # noqa: E402
+import io  # noqa: E402
+import re  # noqa: E402
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -57,17 +67,20 @@ def record_launches():
                        if k not in ("num_warps", "num_stages", "num_ctas")})
         defaults = {k: p.default for k, p in
                     inspect.signature(getattr(fn, "fn", fn)).parameters.items()}
-        signature, constants = {}, {}
-        for name in self.arg_names:
+        signature, constants, aligned = {}, {}, []
+        for index, name in enumerate(self.arg_names):
             value = values.get(name, defaults.get(name))
             if name in self.constexprs:
                 signature[name], constants[name] = "constexpr", value
             elif isinstance(value, torch.Tensor):
                 signature[name] = POINTER_TYPES[value.dtype]
+                aligned.append(index)  # CUDA allocations are 256-byte aligned
             elif isinstance(value, bool):
                 signature[name] = "i1"
             elif isinstance(value, int):
                 signature[name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
+                if value % 16 == 0:
+                    aligned.append(index)
             elif isinstance(value, float):
                 signature[name] = "fp32"
             else:
@@ -76,17 +89,18 @@ def record_launches():
             constants["UPCAST"] = False
         key = (fn.__module__, fn.__name__, tuple(sorted(map(str, constants.items()))))
         launches[key] = (fn.__module__, fn.__name__, signature, constants,
-                         kwargs.get("num_warps", 4), kwargs.get("num_stages"))
+                         kwargs.get("num_warps", 4), kwargs.get("num_stages"), tuple(aligned))
         return original(self, *args, **kwargs)
 
     interpreter.GridExecutor.__call__ = recording
     try:
         from msa_megatron import msa_attention
 
-        for hq, hkv, hi, dtype, lengths in ((64, 4, 4, torch.bfloat16, [300]),
-                                            (64, 4, 4, torch.float32, [300]),
-                                            (16, 2, 4, torch.bfloat16, [200, 60]),
-                                            (16, 1, 1, torch.float16, [260])):
+        # Token counts divisible by 16, as at the GPU's lengths (alignment hints, see above).
+        for hq, hkv, hi, dtype, lengths in ((64, 4, 4, torch.bfloat16, [304]),
+                                            (64, 4, 4, torch.float32, [304]),
+                                            (16, 2, 4, torch.bfloat16, [208, 64]),
+                                            (16, 1, 1, torch.float16, [272])):
             T = sum(lengths)
             cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
             leaves = [torch.randn(T, h, 128).to(dtype).requires_grad_()
@@ -100,12 +114,29 @@ def record_launches():
     return launches
 
 
-def compile_launches(launches) -> int:
-    """Compile each recorded launch for sm_90; print shared memory; return the count of bad ones."""
+def ptxas_usage(log: str) -> str:
+    """``regs R spill S/L`` (bytes of spill stores / loads) from a ``ptxas -v`` log."""
+    regs = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return (f"regs {regs.group(1) if regs else '?'} "
+            f"spill {spill.group(1) + '/' + spill.group(2) if spill else '?'}")
+
+
+def compile_launches(launches, names=None) -> int:
+    """Compile each recorded launch for sm_90 (``names``: only these kernels); print shared
+    memory, registers and spills; return the count of bad ones."""
     target = GPUTarget("cuda", 90, 32)
     bad = 0
+    if names:
+        launches = [launch for launch in launches if launch[1] in names]
     print(f"triton {triton.__version__}: {len(launches)} kernel specialisations")
-    for module, name, signature, constants, warps, *stages in launches:
+    for module, name, signature, constants, warps, *rest in launches:
+        stages = rest[:1]
+        # The GPU's JIT marks 16-aligned pointers and integers divisible by 16 (tt.divisibility):
+        # vectorised, asynchronously copied loads whose pipeline buffers take shared memory
+        # (without these hints the KL dense key kernel at 128 rows compiled to 128 KiB; the
+        # H200 asked for 256 KiB).
+        attrs = {(i,): [["tt.divisibility", 16]] for i in (rest[1] if len(rest) > 1 else ())}
         fn = getattr(importlib.import_module(module), name)
         shown = {k: v for k, v in constants.items() if k in ("HR", "TOK", "D", "DI", "BN", "KS",
                                                              "SPARSE", "FULL", "TOPK", "ISO")}
@@ -114,13 +145,16 @@ def compile_launches(launches) -> int:
             options = dict(num_warps=warps)
             if stages and stages[0] is not None:
                 options["num_stages"] = stages[0]
-            kernel = triton.compile(ASTSource(fn, signature, constants), target=target,
-                                    options=options)
+            log = io.StringIO()
+            with contextlib.redirect_stdout(log):
+                kernel = triton.compile(ASTSource(fn, signature, constants, attrs), target=target,
+                                        options=options)
             shared = kernel.metadata.shared
             over = shared > SHARED_LIMIT
             bad += over
             print(f"{'OVER' if over else 'ok  '} {name} {shown} warps {warps} "
-                  f"stages {options.get('num_stages', 'default')} shared {shared}")
+                  f"stages {options.get('num_stages', 'default')} shared {shared} "
+                  f"{ptxas_usage(log.getvalue())}")
         except Exception as error:  # a compile error is a finding, not a crash of the tool
             bad += 1
             print(f"FAIL {name} {shown}: {type(error).__name__}: {str(error)[-300:]}")
@@ -130,7 +164,8 @@ def compile_launches(launches) -> int:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2 or argv[0] not in ("record", "compile"):
+    if len(argv) not in (2, 3) or argv[0] not in ("record", "compile") or (
+            argv[0] == "record" and len(argv) == 3):
         print(__doc__)
         return 2
     if argv[0] == "record":
@@ -140,7 +175,9 @@ def main(argv=None) -> int:
         print(f"recorded {len(launches)} kernel specialisations to {argv[1]}")
         return 0
     with open(argv[1], "rb") as f:
-        return 1 if compile_launches(pickle.load(f)) else 0
+        launches = pickle.load(f)
+    names = set(argv[2].split(",")) if len(argv) == 3 else None
+    return 1 if compile_launches(launches, names) else 0
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ CPU dry run of the script itself (Triton interpreter, tiny shapes, no baselines)
    torch backend. Timing still runs when a check fails; the JSON and table say FAIL.
 2. Ceilings: bf16 matmul 8192^3 and a device copy.
 3. For every configuration and both index distributions (iid; coherent = randn every 256th
-   token, linearly interpolated): select, main sparse forward and forward+backward, the whole
+   token, linearly interpolated): select, main sparse forward and forward+backward, the main
+   backward alone (``main_bwd``), the KL value + index gradients alone (``kl``), the whole
    op forward+backward (select + attention + KL value + five gradients), dense warmup mode
    whole op, dense cuDNN and FLASH SDPA (causal, GQA), FlexAttention on the same per-token
    selection (union BlockMask per 128-query tile + membership mask_mod; timed last, for the
@@ -494,6 +495,24 @@ def time_config(run: Run, name: str, heads_name: str, t: int, packed: bool, dims
         with torch.no_grad():
             attempt("main_fwd", main(False), 1 + scale)
         attempt("main_fwd_bwd", main(True), 1 + 3 * scale)
+        if only is None or {"main_bwd", "kl"} & only:
+            out, lse = tri.attention(q, k, v, block_idx, x["q_pos"], x["q_kbase"],
+                                     block_size=dims["block"])
+            dout = torch.ones_like(out)
+            # the main backward alone (forward done once above, its graph kept)
+            attempt("main_bwd", lambda: torch.autograd.grad(out, (q, k, v), dout,
+                                                            retain_graph=True), 1 + 2 * scale)
+            qi, ki = (x[n].detach().requires_grad_() for n in ("q_idx", "k_idx"))
+            lse = lse.detach()
+
+            def kl_part():  # KL value + index gradients on the same selection and LSE
+                value = tri.kl(q.detach(), k.detach(), lse, qi, ki, block_idx, x["q_pos"],
+                               x["q_kbase"], block_size=dims["block"],
+                               kl_scale=1.0 / (x["q_idx"].shape[0] * heads["hi"]))
+                torch.autograd.grad(value, (qi, ki))
+
+            attempt("kl", kl_part, 1 + 2 * scale)
+            del out, lse, dout, qi, ki
         attempt("whole_fwd_bwd", lambda: whole_op(x, dims, "sparse"), 2 + 6 * scale, peak=True)
         if not dense_done:
             if not packed and device.type == "cuda":
@@ -575,7 +594,8 @@ def table(data: dict) -> str:
              f"copy {data['ceilings'].get('copy_tb_per_s', float('nan')):.2f} TB/s",
              "checks: " + ", ".join(f"{c['check']}={'ok' if c.get('ok') else 'FAIL'}"
                                     for c in data["checks"])]
-    head = ("config", "dist", "select", "sel/gemm", "tsel", "fwd", "fwd+bwd", "whole", "floor",
+    head = ("config", "dist", "select", "sel/gemm", "tsel", "fwd", "fwd+bwd", "bwd", "kl", "whole",
+            "floor",
             "dense", "cudnn f/fb", "flex f/fb", "x cudnn", "x flex", "MiB op/cudnn",
             "fwd/bwd %mm")
     lines.append(" | ".join(head))
@@ -602,7 +622,8 @@ def table(data: dict) -> str:
         cells = (r["config"], r["dist"], f"{ms.get('select', nan):.2f}",
                  f"{ms.get('select', nan) / gemm:.2f}", f"{ms.get('torch_select', nan):.1f}",
                  f"{ms.get('main_fwd', nan):.2f}",
-                 f"{ms.get('main_fwd_bwd', nan):.2f}", f"{whole:.2f}",
+                 f"{ms.get('main_fwd_bwd', nan):.2f}", f"{ms.get('main_bwd', nan):.2f}",
+                 f"{ms.get('kl', nan):.2f}", f"{whole:.2f}",
                  f"{r['flops']['whole'] / rate / 1e9:.2f}",
                  f"{d.get('dense_mode_fwd_bwd', nan):.1f}",
                  f"{d.get('cudnn_fwd', nan):.1f}/{d.get('cudnn_fwd_bwd', nan):.1f}",
@@ -629,8 +650,9 @@ def main() -> int:
                              "all, or the first with --quick-checks); the torch-backend check "
                              "always runs")
     parser.add_argument("--rows", default=None,
-                        help="row keys to time, e.g. select,main_fwd,main_fwd_bwd,whole_fwd_bwd "
-                             "(default: all)")
+                        help="row keys to time, e.g. select,main_fwd,main_fwd_bwd,main_bwd,kl,"
+                             "whole_fwd_bwd (default: all; kl = KL value + index gradients "
+                             "alone, main_bwd = the main backward alone)")
     parser.add_argument("--flex-configs", default="paper-8k,paper-32k",
                         help="configs that also time FlexAttention (last; '' for none)")
     parser.add_argument("--flex-dists", default=",".join(DISTS),

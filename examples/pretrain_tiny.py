@@ -586,9 +586,14 @@ def run_variants(args: argparse.Namespace, device: torch.device, train_windows: 
     set_kl_loss_scale(1.0 / dp_size)
     set_msa_mode(model, "dense")
     model.train()
-    warmup = History("warmup")
-    train_steps(warmup, model, optimizer, args, device, range(args.warmup_steps), "dense",
-                train_windows, eval_windows)
+    if args.load_warmup is not None:
+        warmup = load_warmup(args, model, optimizer)
+    else:
+        warmup = History("warmup")
+        train_steps(warmup, model, optimizer, args, device, range(args.warmup_steps), "dense",
+                    train_windows, eval_windows)
+        if args.save_warmup is not None:
+            save_warmup(args, model, optimizer, warmup)
     snapshot = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
     histories = []
     for name in args.runs:
@@ -612,6 +617,57 @@ def run_variants(args: argparse.Namespace, device: torch.device, train_windows: 
         histories.append(history)
         on_variant(histories)
     return histories
+
+
+# Arguments that must agree between the run that saved a warm-up and the run that loads it
+# (model, data, warm-up); what a variant may change (--runs, --steps, logging, output) is not here.
+WARMUP_KEYS = ("tp", "cp", "seq_len", "layers", "hidden", "ffn_hidden", "heads", "query_groups",
+               "block_size", "index_head_dim", "index_heads", "index_key_heads", "rotary_base",
+               "softmax_scale", "index_scale", "kl_coeff", "lr", "lr_warmup", "clip_grad",
+               "seed", "dtype", "task", "task_len", "task_len_min", "task_curriculum",
+               "task_question_every", "pairs", "queries", "key_vocab", "value_vocab",
+               "record_format", "min_distance", "answer_weight", "warmup_steps", "backend",
+               "vocab_size")
+
+
+def _warmup_file(directory: Path) -> Path:
+    return directory / f"warmup_rank{dist.get_rank():03d}_of{dist.get_world_size():03d}.pt"
+
+
+def save_warmup(args: argparse.Namespace, model: GPTModel, optimizer: torch.optim.Optimizer,
+                warmup: "History") -> None:
+    """Write this rank's model and optimizer state, the warm-up history and the settings of
+    :data:`WARMUP_KEYS` to ``--save-warmup`` (one file per rank)."""
+    args.save_warmup.mkdir(parents=True, exist_ok=True)
+    torch.save({"settings": {k: getattr(args, k, None) for k in WARMUP_KEYS},
+                "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "history": dataclasses.asdict(warmup)}, _warmup_file(args.save_warmup))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        print(f"saved the warm-up (step {args.warmup_steps}) to {args.save_warmup}", flush=True)
+
+
+def load_warmup(args: argparse.Namespace, model: GPTModel,
+                optimizer: torch.optim.Optimizer) -> "History":
+    """Load what :func:`save_warmup` wrote into ``model`` and ``optimizer``; returns the warm-up
+    history. Raises ValueError when the file is missing or a setting of :data:`WARMUP_KEYS`
+    differs (the variants would not continue the same run)."""
+    path = _warmup_file(args.load_warmup)
+    if not path.is_file():
+        raise ValueError(f"--load-warmup {args.load_warmup}: no {path.name} (saved with another "
+                         f"world size, or not a --save-warmup directory)")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    differ = {k: (v, getattr(args, k, None)) for k, v in state["settings"].items()
+              if v != getattr(args, k, None)}
+    if differ:
+        raise ValueError(f"--load-warmup {args.load_warmup} was saved with other settings "
+                         "(saved, now): " + ", ".join(f"{k}={a!r}/{b!r}"
+                                                       for k, (a, b) in sorted(differ.items())))
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    if dist.get_rank() == 0:
+        print(f"loaded the warm-up (step {args.warmup_steps}) from {args.load_warmup}", flush=True)
+    return History(**state["history"])
 
 
 def train_steps(history: History, model: GPTModel, optimizer: torch.optim.Optimizer,
@@ -948,6 +1004,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated model variants to train, in order, same weights and "
                         f"data: {VARIANT_HELP} (default: msa,dense; retrieval: "
                         "msa,random,local,dense)")
+    p.add_argument("--save-warmup", type=Path, default=None,
+                   help="after the dense warm-up, save model, optimizer and history here (one "
+                        "file per rank), so that variants can later run as separate processes")
+    p.add_argument("--load-warmup", type=Path, default=None,
+                   help="skip the warm-up: start the variants from a --save-warmup directory "
+                        "written by a run with the same model, data and warm-up settings")
     p.add_argument("--task", choices=("text", "retrieval"), default="text",
                    help="text: next-byte prediction on stdlib sources; retrieval: key -> value "
                         "recall in long filler text (examples/retrieval_task.py)")
@@ -1063,6 +1125,10 @@ def check_settings(args: argparse.Namespace, world_size: int) -> List[str]:
         errors.append(f"--warmup-steps {args.warmup_steps} must be in [0, --steps {args.steps}]")
     if args.lr_warmup < 0:  # longer than --steps is allowed: the peak is then never reached
         errors.append(f"--lr-warmup {args.lr_warmup} must be >= 0")
+    if args.save_warmup is not None and args.load_warmup is not None:
+        errors.append("--save-warmup and --load-warmup exclude each other")
+    if args.load_warmup is not None and not args.load_warmup.is_dir():
+        errors.append(f"--load-warmup {args.load_warmup} is not a directory")
     if args.eval_windows < 1 or args.log_interval < 1:
         errors.append(f"--eval-windows {args.eval_windows} and --log-interval "
                       f"{args.log_interval} must be >= 1")

@@ -14,8 +14,10 @@
 #
 # Environment: LEN (window tokens), STEPS, WARMUP (dense steps before the variants), TOPK,
 # BLOCK, RUNS (comma-separated), DEVICE (cuda | cpu), OUT (default runs/retrieval_$LEN),
-# PYTHON. Extra flags go to examples/pretrain_tiny.py (later flags win). Writes
-# $OUT/variants/metrics.json and its log, then $OUT/retrieval.json, a table ($OUT/retrieval.md)
+# PYTHON; PARALLEL=1 trains the warm-up once (--save-warmup), then each variant as its own
+# process from it, all at once (--load-warmup; set OMP_NUM_THREADS to share the cores).
+# Extra flags go to examples/pretrain_tiny.py (later flags win). Writes
+# $OUT/variants/metrics.json and its log (PARALLEL: $OUT/<variant>/metrics.json), then $OUT/retrieval.json, a table ($OUT/retrieval.md)
 # and plots ($OUT/retrieval.png) from examples/retrieval_report.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,12 +35,34 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 mkdir -p "$OUT"
 status=0
-MASTER_PORT=${MASTER_PORT:-$((20000 + RANDOM % 20000))} "$PYTHON" examples/pretrain_tiny.py \
-    --task retrieval --runs "$RUNS" --device "$DEVICE" --seq-len "$LEN" --steps "$STEPS" \
-    --warmup-steps "$WARMUP" --top-k "$TOPK" --block-size "$BLOCK" --layers 4 --hidden 256 \
-    --ffn-hidden 704 --heads 4 --query-groups 2 --index-head-dim 64 --lr 2e-3 --lr-warmup 50 \
-    --log-interval 50 --eval-interval 100 --eval-windows 2 --out-dir "$OUT/variants" "$@" \
-    >"$OUT/variants.log" 2>&1 || status=$?
-grep -v -i warn "$OUT/variants.log" | tail -12
+COMMON=(--task retrieval --device "$DEVICE" --seq-len "$LEN" --warmup-steps "$WARMUP"
+        --top-k "$TOPK" --block-size "$BLOCK" --layers 4 --hidden 256 --ffn-hidden 704
+        --heads 4 --query-groups 2 --index-head-dim 64 --lr 2e-3 --lr-warmup 50
+        --log-interval 50 --eval-interval 100 --eval-windows 2)
+if [ "${PARALLEL:-0}" = 1 ]; then
+    # The warm-up once (saved), then every variant as its own process from it, side by side;
+    # the report reads $OUT/<variant>/metrics.json.
+    port=${MASTER_PORT:-$((20000 + RANDOM % 20000))}
+    MASTER_PORT=$port "$PYTHON" examples/pretrain_tiny.py "${COMMON[@]}" --runs dense \
+        --steps "$WARMUP" --save-warmup "$OUT/warmup/state" --out-dir "$OUT/warmup/run" "$@" \
+        >"$OUT/warmup.log" 2>&1 || status=$?
+    grep -v -i warn "$OUT/warmup.log" | tail -4
+    [ $status = 0 ] || exit $status
+    pids=()
+    for run in ${RUNS//,/ }; do
+        port=$((port + 1))
+        MASTER_PORT=$port "$PYTHON" examples/pretrain_tiny.py "${COMMON[@]}" --runs "$run" \
+            --steps "$STEPS" --load-warmup "$OUT/warmup/state" --out-dir "$OUT/$run" "$@" \
+            >"$OUT/$run.log" 2>&1 &
+        pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+    for run in ${RUNS//,/ }; do grep -v -i warn "$OUT/$run.log" | tail -3; done
+else
+    MASTER_PORT=${MASTER_PORT:-$((20000 + RANDOM % 20000))} "$PYTHON" examples/pretrain_tiny.py \
+        "${COMMON[@]}" --runs "$RUNS" --steps "$STEPS" --out-dir "$OUT/variants" "$@" \
+        >"$OUT/variants.log" 2>&1 || status=$?
+    grep -v -i warn "$OUT/variants.log" | tail -12
+fi
 "$PYTHON" examples/retrieval_report.py "$OUT" || status=1
 exit $status

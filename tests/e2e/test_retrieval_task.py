@@ -121,6 +121,44 @@ def test_example_runs_retrieval_task_on_cpu(tmp_path):
     assert "| msa |" in proc.stdout and "exact match" in proc.stdout
 
 
+@pytest.mark.slow
+def test_variant_from_a_saved_warmup_continues_the_same_run(tmp_path):
+    """--save-warmup then --load-warmup in a second process: the variant's steps equal those of
+    the variant trained in the saving process; other settings are refused."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    common = [sys.executable, str(REPO / "examples" / "pretrain_tiny.py"), "--device", "cpu",
+              "--task", "retrieval", "--record-format", "fused", "--steps", "5",
+              "--warmup-steps", "3", "--seq-len", "256", "--task-len", "256", "--layers", "1",
+              "--hidden", "64", "--ffn-hidden", "128", "--heads", "2", "--query-groups", "2",
+              "--block-size", "16", "--top-k", "3", "--index-head-dim", "32", "--pairs", "8",
+              "--queries", "4", "--key-vocab", "8", "--min-distance", "64", "--eval-windows", "1",
+              "--log-interval", "1", "--probe-interval", "0", "--dtype", "fp32"]
+
+    def run(*extra, port):
+        env["MASTER_PORT"] = str(port)
+        return subprocess.run(common + list(extra), cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=600)
+
+    port = 29000 + random.randrange(800)
+    saved = tmp_path / "warmup"
+    first = run("--runs", "msa,random", "--save-warmup", str(saved), "--out-dir",
+                str(tmp_path / "a"), port=port)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    second = run("--runs", "random", "--load-warmup", str(saved), "--out-dir",
+                 str(tmp_path / "b"), port=port + 1)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    a = {r["name"]: r for r in json.loads((tmp_path / "a" / "metrics.json").read_text())["runs"]}
+    b = {r["name"]: r for r in json.loads((tmp_path / "b" / "metrics.json").read_text())["runs"]}
+    assert b["random"]["steps"] == a["random"]["steps"] == [1, 2, 3, 4, 5]
+    assert b["random"]["loss"] == a["random"]["loss"]  # the same run, bitwise (CPU, fp32)
+    assert a["msa"]["loss"][3:] != a["random"]["loss"][3:]  # the variants do differ
+    other = run("--runs", "random", "--load-warmup", str(saved), "--lr", "1e-2", "--out-dir",
+                str(tmp_path / "c"), port=port + 2)
+    assert other.returncode != 0 and "saved with other settings" in other.stderr
+    assert "lr=" in other.stderr
+
+
 def test_mixed_lengths_fill_the_window():
     rng = random.Random(5)
     for total in (512, 4096, 32768):

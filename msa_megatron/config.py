@@ -9,6 +9,10 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+# The triton backend's limits (ops/validation.py adds its dtypes, which need torch).
+TRITON_HEAD_DIMS = (16, 32, 64, 128)
+TRITON_BLOCK_SIZES = (16, 32, 64, 128)
+
 MODES = ("sparse", "dense")
 BACKENDS = ("reference", "torch", "triton")
 CP_KV_EXCHANGES = ("allgather", "selective")
@@ -91,17 +95,27 @@ class MSAConfig:
             raise ValueError(f"MSAConfig.index_head_dim must be >= 1, got {self.index_head_dim}")
         for name in ("softmax_scale", "index_scale"):
             value = getattr(self, name)
-            if value is not None and not (
+            if value is not None and (isinstance(value, bool) or not (
                 isinstance(value, (int, float)) and math.isfinite(value) and value > 0
-            ):
+            )):
                 raise ValueError(
                     f"MSAConfig.{name} must be a positive finite number or None, got {value!r}")
-        if not (isinstance(self.kl_coeff, (int, float)) and math.isfinite(self.kl_coeff)
+        if isinstance(self.kl_coeff, bool) or not (
+                isinstance(self.kl_coeff, (int, float)) and math.isfinite(self.kl_coeff)
                 and self.kl_coeff >= 0):
             raise ValueError(
                 f"MSAConfig.kl_coeff must be a finite number >= 0, got {self.kl_coeff!r}")
         check_mode(self.mode)
         check_backend(self.backend)
+        if self.backend == "triton":  # what needs no tensor is refused here, before any run
+            if self.block_size not in TRITON_BLOCK_SIZES:
+                raise ValueError(f"MSAConfig: backend='triton' supports block_size in "
+                                 f"{TRITON_BLOCK_SIZES}, got {self.block_size}; backend='torch' "
+                                 "runs any block size (slower)")
+            if self.index_head_dim not in TRITON_HEAD_DIMS:
+                raise ValueError(f"MSAConfig: backend='triton' supports index_head_dim in "
+                                 f"{TRITON_HEAD_DIMS}, got {self.index_head_dim}; "
+                                 "backend='torch' runs any head dim (slower)")
         if self.cp_kv_exchange is not None and self.cp_kv_exchange not in CP_KV_EXCHANGES:
             raise ValueError(
                 f"MSAConfig.cp_kv_exchange must be None or one of {CP_KV_EXCHANGES}, got "

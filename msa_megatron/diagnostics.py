@@ -23,6 +23,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .ops.backends import get_backend, resolve_backend
+from .ops.validation import check_backend_limits
 from .layout import query_layout
 
 # Bytes per chunk of the teacher computation (fp32 scores [rows, Hq, prefix] and gathered keys
@@ -102,7 +103,10 @@ def selection_recall(
         :class:`SelectionSample` with the rows, their positions, selection and recall.
 
     Raises:
-        ValueError: ``rows`` not 1-D integer or out of ``[0, T)``.
+        ValueError: ``rows`` not 1-D integer or out of ``[0, T)``; a backend that cannot run
+            these inputs (e.g. triton: CPU tensors without the interpreter, an unsupported
+            index head dim or block size), the same check as the layer's forward.
+        TypeError: a dtype the backend does not run.
     """
     T, Hq, D = q.shape
     Hkv, Hi = k.shape[1], q_idx.shape[1]
@@ -120,6 +124,7 @@ def selection_recall(
                              f"{tuple(q_pos.shape)} and {tuple(q_kbase.shape)}")
     pos, base = q_pos[rows], q_kbase[rows]
     name = resolve_backend(backend, q.device)
+    check_backend_limits(name, q_idx.dtype, {"Di": q_idx.shape[-1]}, block_size, q.device)
     block_idx = get_backend(name).select(
         q_idx[rows].detach().contiguous(), k_idx.detach(), pos.contiguous(), base.contiguous(),
         block_size=block_size, top_k=top_k, init_blocks=init_blocks, local_blocks=local_blocks,

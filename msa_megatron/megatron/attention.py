@@ -394,13 +394,13 @@ class MSACoreAttention(MegatronModule):
         if cp_size > 1 and self.training:
             stats = cp_stats_accumulator(self.layer_number, new_micro_batch=not recomputing)
         options = self.options()
-        if self.probe is not None and not recomputing:
-            self._observe_selection(q, k, q_idx, k_idx, cu_seqlens, cp_size, options)
         result = msa_layer(
             q, k, v, q_idx, k_idx, options=options, cu_seqlens=cu_seqlens,
             cu_seqlens_real=cu_real, groups=self.groups, block_idx=block_idx, stats=stats,
             kl_scale=1.0 / (max(tokens_global, 1) * self.layout.num_index_heads),
         )
+        if self.probe is not None and not recomputing:  # after msa_layer checked the inputs
+            self._observe_selection(q, k, q_idx, k_idx, cu_seqlens, cp_size, options)
         if first_of_checkpoint and result.block_idx is not None:
             self._selection_fifo.append(result.block_idx)
         if self.training and not recomputing:

@@ -11,13 +11,13 @@ from typing import Optional
 
 import torch
 
-from ..config import check_backend, check_block_size, check_mode, check_selection_budget
+from ..config import (TRITON_BLOCK_SIZES, TRITON_HEAD_DIMS, check_backend, check_block_size,
+                      check_mode, check_selection_budget)
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# Backend-specific limits (the references accept any head dim and any power-of-two block >= 16).
+# Backend-specific limits (the references accept any head dim and any power-of-two block >= 16;
+# the triton head dims and block sizes live in config.py, which checks them without tensors).
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-TRITON_HEAD_DIMS = (16, 32, 64, 128)
-TRITON_BLOCK_SIZES = (16, 32, 64, 128)
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -82,8 +82,14 @@ def check_cu_seqlens(cu_seqlens: Optional[torch.Tensor], total: int, device: tor
     if cu_seqlens.device != device:
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but the inputs are on {device}")
     if torch.compiler.is_compiling():
-        # The value checks read the tensor on the host, which torch.compile cannot trace
-        # (fullgraph=True); the checks above still run. Validate values eagerly if in doubt.
+        # The eager checks below read the tensor on the host, which torch.compile cannot trace
+        # (fullgraph=True). Traced instead: one device-side assertion over the same conditions
+        # (a RuntimeError on CPU; on CUDA a device-side assert, which ends the process): never
+        # a silent wrong answer, but not the ValueError of eager mode.
+        ok = ((cu_seqlens[0] == 0) & (cu_seqlens[-1] == total)
+              & (cu_seqlens[1:] >= cu_seqlens[:-1]).all())
+        torch._assert_async(ok, "cu_seqlens must start at 0, end at T and never decrease "
+                                "(checked inside torch.compile)")
         return
     host = cu_seqlens.tolist()
     if host[0] != 0:

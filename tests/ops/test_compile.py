@@ -53,6 +53,24 @@ def test_fullgraph_compile_matches_eager(mode, seed):
         assert_close(a, b, 1e-6, name)
 
 
+@pytest.mark.parametrize("bad", [[0, 40, 20, 64], [0, 32, 60], [5, 32, 64]],
+                         ids=["decreasing", "short", "not_at_zero"])
+def test_compiled_op_refuses_bad_cu_seqlens_values(bad):
+    """Inside torch.compile the eager host-side value checks cannot run; a traced device-side
+    assertion refuses the same inputs (never a silent wrong answer)."""
+    def layer(q, k, v, q_idx, k_idx, cu_seqlens):
+        return msa_attention(q, k, v, q_idx, k_idx, cu_seqlens, backend="torch", **OPTIONS)
+
+    torch._dynamo.reset()
+    x = make_inputs((32, 32), heads=4, kv_heads=2, index_heads=2, index_key_heads=1,
+                    dtype=torch.float32, seed=0, requires_grad=False)
+    leaves = [x[n] for n in NAMES]
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    compiled(*leaves, x["cu_seqlens"])  # the good layout runs
+    with pytest.raises(RuntimeError, match="cu_seqlens must start at 0"):
+        compiled(*leaves, torch.tensor(bad, dtype=torch.int32))
+
+
 def test_fullgraph_inductor_compile_of_a_layer_matches_eager(seed):
     """Projections around the op, compiled by the default backend (inductor, C++ on CPU)."""
     torch.manual_seed(seed)

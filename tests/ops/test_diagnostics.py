@@ -81,6 +81,16 @@ def test_recall_rejects_bad_rows():
         sample_rows(10, 0)
 
 
+def test_recall_checks_the_backend_like_the_layer():
+    """The probe runs the selection itself: a backend that cannot run the inputs is refused
+    with the layer's own message, not a kernel error (triton: index head dim 96)."""
+    inp = make_inputs((40,), index_head_dim=96, requires_grad=False)
+    args = (inp["q"], inp["k"], inp["q_idx"], inp["k_idx"], torch.tensor([3, 30]))
+    with pytest.raises(ValueError, match="supports Di in"):
+        selection_recall(*args, block_size=16, top_k=2, backend="triton")
+    assert selection_recall(*args, block_size=16, top_k=2, backend="torch").recall.shape == (2, 2)
+
+
 def test_distance_histogram_bins():
     # Query in block 9 (B = 16, position 150): own 9, neighbour 8, sink 0, 7 -> "2-3",
     # 3 and 2 -> "4-7"; unused slots are ignored.

@@ -214,6 +214,12 @@ BAD_CONFIGS = {
     "unknown_mode": (dict(mode="warmup"), ValueError, r"mode"),
     "unknown_backend": (dict(backend="cutlass"), ValueError, r"backend"),
     "unknown_cp_exchange": (dict(cp_kv_exchange="ring"), ValueError, r"cp_kv_exchange"),
+    "softmax_scale_bool": (dict(softmax_scale=True), ValueError, r"softmax_scale"),
+    "kl_coeff_bool": (dict(kl_coeff=True), ValueError, r"kl_coeff"),
+    "triton_block_256": (dict(backend="triton", block_size=256), ValueError,
+                         r"triton.*block_size"),
+    "triton_index_head_dim_96": (dict(backend="triton", index_head_dim=96), ValueError,
+                                 r"triton.*index_head_dim"),
 }
 
 

@@ -124,6 +124,22 @@ def test_reverse_index_is_a_stable_counting_sort(case, tile_tokens, monkeypatch)
                 assert b == (g * ns + starts.index(s)) * ipg + il
                 assert sub_t0[sc] <= want[pos] // per_tok < sub_t0[sc + 1]
     assert bool((seen == 1).all())
+    # Per-chunk group lists: exactly the (KV group, start row) numbers with pairs in the chunk,
+    # ascending, then the others (a permutation).
+    n_groups = rev.max_buckets // ipg
+    for chunks in (1, 2, 16):
+        groups, count = ri.chunk_groups(rev, chunks)
+        assert groups.shape == (chunks, n_groups) and count.shape == (chunks,)
+        step = ri.SUB_CHUNKS // chunks
+        for c in range(chunks):
+            t0, t1 = sub_t0[c * step], sub_t0[(c + 1) * step]
+            used = sorted({(keys[pos][0] * ns + starts.index(keys[pos][1]))
+                           for pos in range(n) if t0 <= want[pos] // per_tok < t1})
+            row = groups[c].tolist()
+            assert int(count[c]) == len(used) and row[:len(used)] == used
+            assert sorted(row) == list(range(n_groups))
+    with pytest.raises(ValueError, match="chunks"):
+        ri.chunk_groups(rev, 3)
 
 
 def test_reverse_index_is_cached_per_selection():

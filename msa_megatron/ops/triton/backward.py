@@ -28,8 +28,8 @@ from ._common import (
 from ._isolation import launch_both, nonfinite, nonfinite_flag, skip, support_mma
 from .forward import combine_rows, pair_rows, query_rows, query_tiling, warps_for
 from .reverse_index import (
-    SUB_CHUNKS, bucket_pairs, bucket_rows, build_reverse_index, chunk_count, chunk_tokens_bound,
-    query_tile_ranges,
+    SUB_CHUNKS, bucket_pairs, bucket_rows, build_reverse_index, chunk_count, chunk_groups,
+    chunk_tokens_bound, query_tile_ranges,
 )
 
 # Rows of one tile of the delta kernel.
@@ -118,7 +118,7 @@ def _kv_rows_step(dk, dv, kt, vt, krow, kmask, t, h, valid, q_ptr, do_ptr, lse_p
 @triton.jit
 def _attn_bwd_blocks_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, qkb_ptr, dk_ptr, dv_ptr, pdq_ptr,
-    pair_ptr, off_ptr, starts_ptr, meta_ptr, sub_t0_ptr, sc0, sc1, Tk, scale,
+    pair_ptr, off_ptr, starts_ptr, meta_ptr, sub_t0_ptr, grp_ptr, n_grp_ptr, sc0, sc1, Tk, scale,
     s_qt, s_qh, s_kt, s_kh, s_lt,
     HI: tl.constexpr, TOPK: tl.constexpr, HPI: tl.constexpr, HR: tl.constexpr,
     TOK: tl.constexpr, IPG: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
@@ -126,16 +126,17 @@ def _attn_bwd_blocks_kernel(
 ):
     """Sparse dK/dV (added to fp32 ``dk``/``dv`` [Tk, Hkv, D]) and partial dQ rows
     ``(flat * NSUB + sub) * HPI + hl`` of ``pdq`` for the pairs of sub-chunks ``sc0 .. sc1-1``;
-    persistent over (KV group x start row, key sub-tile): one program owns those key rows."""
+    persistent over (KV group x start row, key sub-tile): one program owns those key rows. Only
+    the ``n_grp_ptr[0]`` (KV group x start row) numbers listed in ``grp_ptr`` (those with pairs in
+    these sub-chunks, :func:`.reverse_index.chunk_groups`) are visited."""
     if skip(bad_ptr, ISO):
         return
     NSUB: tl.constexpr = BN // KS
     c = tl.arange(0, KS)
     d = tl.arange(0, D)
     f0 = tl.load(sub_t0_ptr + sc0) * (HI * TOPK)
-    n_groups = tl.load(meta_ptr + 3) // IPG
-    for w in range(tl.program_id(0), n_groups * NSUB, tl.num_programs(0)):
-        gb = w // NSUB
+    for w in range(tl.program_id(0), tl.load(n_grp_ptr) * NSUB, tl.num_programs(0)):
+        gb = tl.load(grp_ptr + w // NSUB)
         g, _, s0 = bucket_rows(starts_ptr, meta_ptr, gb * IPG, IPG)
         krow = s0 + (w % NSUB) * KS + c
         kmask = krow < Tk
@@ -291,11 +292,13 @@ def attention_backward(
     rows = chunk_tokens_bound(rev, chunks)
     part = torch.empty((rows * hi * top_k * nsub * hpi, D), dtype=q.dtype, device=q.device)
     step = SUB_CHUNKS // chunks
-    for sc0 in range(0, SUB_CHUNKS, step):
+    groups, n_groups = chunk_groups(rev, chunks)
+    for ci, sc0 in enumerate(range(0, SUB_CHUNKS, step)):
         launch_both(
             _attn_bwd_blocks_kernel, (persistent_programs(q.device, Hkv * Tk * nsub),), q, k, v,
             dout, lse, delta, q_pos, q_kbase, dk, dv, part, rev.pair, rev.off,
-            rev.starts, rev.meta, rev.sub_t0, sc0, sc0 + step, Tk, scale, *strides,
+            rev.starts, rev.meta, rev.sub_t0, groups[ci], n_groups[ci:ci + 1], sc0, sc0 + step,
+            Tk, scale, *strides,
             HI=hi, TOPK=top_k, HPI=hpi, HR=hr, TOK=tok, IPG=ipg, D=D, BN=block_size, KS=ks,
             SUB=SUB_CHUNKS, UPCAST=upcast, IEEE=ieee, bad_ptr=bad,
             num_warps=warps_for(max(tok * hr, ks)), **opts,

@@ -345,6 +345,47 @@ def chunk_tokens_bound(rev: ReverseIndex, chunks: int) -> int:
     return min(rev.tq, -(-rev.tq // chunks) + -(-rev.max_tiles // chunks))
 
 
+def chunk_groups(rev: ReverseIndex, chunks: int) -> tuple:
+    """Per chunk of ``SUB_CHUNKS // chunks`` sub-chunks, the (KV group, start row) numbers
+    ``gb`` (buckets ``gb * ipg .. gb * ipg + ipg - 1``) with at least one pair in the chunk, on
+    the device (no host sync): the key-row-owning kernels walk only these (a causal selection
+    leaves about half of all (group, start row, chunk) visits empty; visiting them also
+    clumps the non-empty ones on a few persistent programs).
+
+    Args:
+        rev: the index.
+        chunks: a power of two dividing ``SUB_CHUNKS``.
+
+    Returns:
+        ``(groups, count)``: ``groups [chunks, G]`` int32 (``G = max_buckets // ipg``), row
+        ``c`` listing chunk ``c``'s non-empty ``gb`` ascending in its first ``count[c]``
+        entries, then the empty ones; ``count [chunks]`` int32.
+
+    Raises:
+        ValueError: ``chunks`` is not a power of two dividing ``SUB_CHUNKS``.
+    """
+    if chunks < 1 or SUB_CHUNKS % chunks or chunks & (chunks - 1):
+        raise ValueError(f"chunks must be a power of two dividing {SUB_CHUNKS}, got {chunks}")
+    dev = rev.off.device
+    n_groups = rev.max_buckets // rev.ipg
+    cap = rev.off.numel() - 1
+    nt = rev.meta[1].to(torch.int64)
+    bb = torch.minimum(torch.arange(n_groups * rev.ipg, device=dev, dtype=torch.int64),
+                       rev.meta[3].to(torch.int64))  # buckets past the last read empty cells
+    sc = torch.arange(0, SUB_CHUNKS + 1, SUB_CHUNKS // chunks, device=dev, dtype=torch.int64)
+    lo = rev.off[(bb[None, :] * nt + (sc * (nt // SUB_CHUNKS))[:, None]).clamp_max(cap)]
+    used = (lo[1:] != lo[:-1]).view(chunks, n_groups, rev.ipg).any(2)  # [chunks, G]
+    del lo, bb
+    # A permutation per row (no index written twice): used groups first, then the others.
+    cu = torch.cumsum(used, 1)
+    count = cu[:, -1:]
+    j = torch.arange(n_groups, device=dev, dtype=torch.int64)
+    dest = torch.where(used, cu - 1, count + j - cu)
+    groups = torch.empty((chunks, n_groups), dtype=torch.int32, device=dev)
+    groups.scatter_(1, dest, j.to(torch.int32).expand(chunks, n_groups))
+    return groups, count[:, 0].to(torch.int32)
+
+
 def query_tile_ranges(
     q_pos: torch.Tensor, q_kbase: torch.Tensor, num_keys: int, tokens: int, key_tile: int,
     present=None,

@@ -627,7 +627,7 @@ WARMUP_KEYS = ("tp", "cp", "seq_len", "layers", "hidden", "ffn_hidden", "heads",
                "seed", "dtype", "task", "task_len", "task_len_min", "task_curriculum",
                "task_question_every", "pairs", "queries", "key_vocab", "value_vocab",
                "record_format", "min_distance", "answer_weight", "warmup_steps", "backend",
-               "vocab_size")
+               "vocab_size", "steps")  # --steps: the learning-rate schedule depends on it
 
 
 def _warmup_file(directory: Path) -> Path:

@@ -14,8 +14,8 @@
 #
 # Environment: LEN (window tokens), STEPS, WARMUP (dense steps before the variants), TOPK,
 # BLOCK, RUNS (comma-separated), DEVICE (cuda | cpu), OUT (default runs/retrieval_$LEN),
-# PYTHON; PARALLEL=1 trains the warm-up once (--save-warmup), then each variant as its own
-# process from it, all at once (--load-warmup; set OMP_NUM_THREADS to share the cores).
+# PYTHON; PARALLEL=1: the dense run saves its warm-up (--save-warmup) and the other variants
+# start from it as their own processes, all at once (--load-warmup; set OMP_NUM_THREADS).
 # Extra flags go to examples/pretrain_tiny.py (later flags win). Writes
 # $OUT/variants/metrics.json and its log (PARALLEL: $OUT/<variant>/metrics.json), then $OUT/retrieval.json, a table ($OUT/retrieval.md)
 # and plots ($OUT/retrieval.png) from examples/retrieval_report.py.
@@ -40,19 +40,24 @@ COMMON=(--task retrieval --device "$DEVICE" --seq-len "$LEN" --warmup-steps "$WA
         --heads 4 --query-groups 2 --index-head-dim 64 --lr 2e-3 --lr-warmup 50
         --log-interval 50 --eval-interval 100 --eval-windows 2)
 if [ "${PARALLEL:-0}" = 1 ]; then
-    # The warm-up once (saved), then every variant as its own process from it, side by side;
-    # the report reads $OUT/<variant>/metrics.json.
+    # The dense variant's process trains the warm-up and saves it (same --steps, so the same
+    # learning-rate schedule); once saved, every other variant starts from it as its own
+    # process, side by side. The report reads $OUT/<variant>/metrics.json.
     port=${MASTER_PORT:-$((20000 + RANDOM % 20000))}
     MASTER_PORT=$port "$PYTHON" examples/pretrain_tiny.py "${COMMON[@]}" --runs dense \
-        --steps "$WARMUP" --save-warmup "$OUT/warmup/state" --out-dir "$OUT/warmup/run" "$@" \
-        >"$OUT/warmup.log" 2>&1 || status=$?
-    grep -v -i warn "$OUT/warmup.log" | tail -4
-    [ $status = 0 ] || exit $status
-    pids=()
+        --steps "$STEPS" --save-warmup "$OUT/warmup" --out-dir "$OUT/dense" "$@" \
+        >"$OUT/dense.log" 2>&1 &
+    first=$!
+    until grep -q "saved the warm-up" "$OUT/dense.log" 2>/dev/null; do
+        kill -0 "$first" 2>/dev/null || { wait "$first"; echo "warm-up failed: $OUT/dense.log"; exit 1; }
+        sleep 5
+    done
+    pids=("$first")
     for run in ${RUNS//,/ }; do
+        [ "$run" = dense ] && continue
         port=$((port + 1))
         MASTER_PORT=$port "$PYTHON" examples/pretrain_tiny.py "${COMMON[@]}" --runs "$run" \
-            --steps "$STEPS" --load-warmup "$OUT/warmup/state" --out-dir "$OUT/$run" "$@" \
+            --steps "$STEPS" --load-warmup "$OUT/warmup" --out-dir "$OUT/$run" "$@" \
             >"$OUT/$run.log" 2>&1 &
         pids+=($!)
     done

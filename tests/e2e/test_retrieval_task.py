@@ -153,10 +153,10 @@ def test_variant_from_a_saved_warmup_continues_the_same_run(tmp_path):
     assert b["random"]["steps"] == a["random"]["steps"] == [1, 2, 3, 4, 5]
     assert b["random"]["loss"] == a["random"]["loss"]  # the same run, bitwise (CPU, fp32)
     assert a["msa"]["loss"][3:] != a["random"]["loss"][3:]  # the variants do differ
-    other = run("--runs", "random", "--load-warmup", str(saved), "--lr", "1e-2", "--out-dir",
-                str(tmp_path / "c"), port=port + 2)
+    other = run("--runs", "random", "--load-warmup", str(saved), "--steps", "6", "--lr", "1e-2",
+                "--out-dir", str(tmp_path / "c"), port=port + 2)
     assert other.returncode != 0 and "saved with other settings" in other.stderr
-    assert "lr=" in other.stderr
+    assert "lr=" in other.stderr and "steps=" in other.stderr  # --steps sets the lr schedule
 
 
 def test_mixed_lengths_fill_the_window():

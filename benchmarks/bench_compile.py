@@ -43,6 +43,7 @@ import subprocess
 import sys
 import time
 import traceback
+from typing import Callable, Dict, Sequence
 
 import torch
 
@@ -693,6 +694,24 @@ def table(data: dict) -> str:
     return "\n".join(lines)
 
 
+
+def run_sections(run: "Run", steps: Dict[str, Callable[[], object]],
+                 names: Sequence[str]) -> None:
+    """Run ``steps[name]()`` for each of ``names`` in order; a section that raises is recorded as
+    ``<name>_error`` and the run goes on. Prints each section's time, then saves ``run``."""
+    for name in names:
+        t0 = time.time()
+        try:
+            steps[name]()
+        except Exception as err:  # noqa: BLE001
+            run.section(f"{name}_error", failure(err))
+        print(f"-- {name} took {time.time() - t0:.1f} s, {run.left():.0f} s left", flush=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    run.data["meta"]["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    run.save()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("out", help="JSON result path")
@@ -748,19 +767,7 @@ def main() -> int:
     unknown = sorted(set(sections) - {name for name, _ in steps})
     if unknown:
         parser.error(f"unknown --sections {unknown}; choose from {[n for n, _ in steps]}")
-    by_name = dict(steps)
-    for name in sections:  # in the order given
-        step = by_name[name]
-        t0 = time.time()
-        try:
-            step()
-        except Exception as err:  # noqa: BLE001
-            run.section(f"{name}_error", failure(err))
-        print(f"-- {name} took {time.time() - t0:.1f} s, {run.left():.0f} s left", flush=True)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    run.data["meta"]["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    run.save()
+    run_sections(run, dict(steps), sections)
     print(table(run.data))
     return 0
 

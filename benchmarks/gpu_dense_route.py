@@ -55,8 +55,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 from bench_compile import (DRY, NAMES, PAPER, Run, env, failure, git_commit,  # noqa: E402
-                           kl_only_fn, loss_and_grads, make_inputs, op_fn, rel, sdpa_fn,
-                           time_ms)
+                           kl_only_fn, loss_and_grads, make_inputs, op_fn, rel, run_sections,
+                           sdpa_fn, time_ms)
 from msa_megatron import reference as ref  # noqa: E402
 from msa_megatron.layout import query_layout  # noqa: E402
 from msa_megatron.ops import dense  # noqa: E402
@@ -432,17 +432,7 @@ def main() -> int:
                  op_check=lambda: op_check(run, cfg, device, dtype, t_check),
                  timing=lambda: [timing(run, cfg, device, dtype, t, cuda) for t in t_times],
                  thd_variants=lambda: thd_variants(run, not cuda))
-    for name in args.sections.split(","):
-        t0 = time.time()
-        try:
-            steps[name]()
-        except Exception as err:  # noqa: BLE001
-            run.section(f"{name}_error", failure(err))
-        print(f"-- {name} took {time.time() - t0:.1f} s, {run.left():.0f} s left", flush=True)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    run.data["meta"]["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    run.save()
+    run_sections(run, steps, args.sections.split(","))
     return 0
 
 

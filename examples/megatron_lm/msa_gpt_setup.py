@@ -32,7 +32,24 @@ from msa_megatron.megatron.flops import megatron_dense_core_flops, msa_layer_flo
 
 __all__ = ["MSA_CONFIG_FLAGS", "MSAMetricsLog", "add_msa_args", "adapt_to_installed_kernels",
            "attended_block_fraction", "fit_lr_schedule", "installed_kernels", "msa_flops_delta",
-           "msa_config_from_args", "msa_mode_at", "notice", "parser_has_msa_flags"]
+           "msa_config_from_args", "msa_mode_at", "notice", "parser_has_msa_flags",
+           "require_megatron_training"]
+
+def require_megatron_training(script: str) -> None:
+    """Exit with a message naming the megatron-core the launch kit needs when
+    ``megatron.training`` is missing (it ships inside megatron-core >= 0.17, Python >= 3.12);
+    any other missing module is raised as is. ``script``: the caller's ``__file__``."""
+    try:
+        import megatron.training  # noqa: F401
+    except ModuleNotFoundError as error:
+        if error.name not in ("megatron", "megatron.training"):
+            raise
+        import megatron.core as mc
+        raise SystemExit(f"{script}: needs megatron.training, which megatron-core ships from "
+                         f"0.17 on (Python >= 3.12); installed: megatron-core {mc.__version__}. "
+                         "Install megatron-core 0.19.x, or use examples/pretrain_tiny.py, which "
+                         "needs megatron-core alone.") from None
+
 
 # MSAConfig fields set by --msa-<field> flags (dashes for underscores): the library's.
 MSA_CONFIG_FLAGS = tuple(MSA_FLAG_FIELDS)

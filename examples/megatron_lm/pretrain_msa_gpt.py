@@ -43,16 +43,9 @@ from typing import Dict, Optional, Tuple
 import torch
 
 
-try:  # megatron.training ships inside megatron-core >= 0.17 (Python >= 3.12)
-    import megatron.training  # noqa: F401
-except ModuleNotFoundError as error:
-    if error.name not in ("megatron", "megatron.training"):
-        raise
-    import megatron.core as _mc
-    raise SystemExit(f"{__file__}: needs megatron.training, which megatron-core ships from 0.17 "
-                     f"on (Python >= 3.12); installed: megatron-core {_mc.__version__}. "
-                     "Install megatron-core 0.19.x, or use examples/pretrain_tiny.py, which "
-                     "needs megatron-core alone.") from None
+from msa_gpt_setup import require_megatron_training  # noqa: E402
+
+require_megatron_training(__file__)
 
 from megatron.core import parallel_state
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder

@@ -264,19 +264,75 @@ def rope_cu_seqlens(packed_seq_params) -> Tuple[Optional[torch.Tensor], Optional
     return cu_q, cu_k
 
 
+def thd_rope_positions(cu_seqlens: torch.Tensor, local_tokens: int, cp_size: int, cp_rank: int,
+                       packed_freqs: bool) -> torch.Tensor:
+    """Row of the RoPE table each local THD token reads, as megatron-core's unfused THD RoPE
+    picks it (``_get_thd_freqs_on_this_cp_rank``), built with tensor ops on ``cu_seqlens``'s
+    device: no host synchronisation and no loop over the sequences.
+
+    Under CP every sequence's local part is its chunks ``cp_rank`` and ``2 cp_size - 1 -
+    cp_rank`` of ``2 cp_size`` equal chunks (megatron-core's load-balanced THD layout).
+
+    Args:
+        cu_seqlens: [B + 1] int32/int64, boundaries of the *global* sequences (padded ones when
+            megatron-core would pick those).
+        local_tokens: this rank's THD rows, ``cu_seqlens[-1] / cp_size``.
+        cp_size, cp_rank: the CP group's size and this rank's place in it.
+        packed_freqs: the table holds one row per packed position (``freqs.size(0) ==
+            cu_seqlens[-1]``): positions are offset by each sequence's start, as megatron-core does.
+
+    Returns:
+        [local_tokens] int64 row indices.
+    """
+    device = cu_seqlens.device
+    cu = cu_seqlens.to(torch.int64)
+    local_lens = (cu[1:] - cu[:-1]) // cp_size
+    seq = torch.repeat_interleave(torch.arange(local_lens.numel(), device=device), local_lens,
+                                  output_size=local_tokens)
+    local_start = torch.cumsum(local_lens, 0) - local_lens
+    j = torch.arange(local_tokens, device=device) - local_start[seq]
+    if cp_size > 1:
+        seg = (local_lens // 2)[seq]
+        full = local_lens[seq] * cp_size
+        pos = torch.where(j < seg, cp_rank * seg + j, full - (cp_rank + 1) * seg + (j - seg))
+    else:
+        pos = j
+    if packed_freqs:
+        pos = pos + cu[:-1][seq]
+    return pos
+
+
 def apply_rope(t: torch.Tensor, freqs: Optional[torch.Tensor], config: TransformerConfig,
                cu_seqlens: Optional[torch.Tensor], cp_group) -> torch.Tensor:
     """megatron-core's RoPE (``apply_rotary_pos_emb`` with the layer's YaRN mscale), as its
-    attention applies it to q and k; identity when ``freqs`` is None."""
+    attention applies it to q and k; identity when ``freqs`` is None.
+
+    THD without RoPE fusion: megatron-core's unfused THD path walks the packed sequences one by
+    one in Python (one ``.item()`` / slice / rotation per sequence), which made a window of
+    thousands of short documents host-bound (8K tokens/s on an H200, issue 19). Here the
+    table rows are gathered for all tokens at once (:func:`thd_rope_positions`) and
+    megatron-core's rotation is applied once, as to one ``[T, 1, h, d]`` sequence: the same
+    values bitwise (``tests/megatron/test_rope_thd.py``). With ``apply_rope_fusion`` (Transformer
+    Engine) megatron-core's fused THD kernel is used as is.
+    """
     if freqs is None:
         return t
     from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
         _yarn_get_concentration_factor_from_config,
     )
 
-    return apply_rotary_pos_emb(t, freqs, config=config, cu_seqlens=cu_seqlens,
-                                mscale=_yarn_get_concentration_factor_from_config(config),
-                                cp_group=cp_group)
+    mscale = _yarn_get_concentration_factor_from_config(config)
+    if cu_seqlens is None or config.apply_rope_fusion:
+        return apply_rotary_pos_emb(t, freqs, config=config, cu_seqlens=cu_seqlens,
+                                    mscale=mscale, cp_group=cp_group)
+    if cp_group is None:  # as megatron-core's apply_rotary_pos_emb resolves it
+        from megatron.core import parallel_state
+
+        cp_group = parallel_state.get_context_parallel_group()
+    packed = freqs.dim() >= 1 and freqs.size(0) == int(cu_seqlens[-1])
+    rows = thd_rope_positions(cu_seqlens, t.size(0), cp_group.size(), cp_group.rank(), packed)
+    return apply_rotary_pos_emb(t.unsqueeze(1), freqs[rows], config=config, cu_seqlens=None,
+                                mscale=mscale, cp_group=cp_group).squeeze(1)
 
 
 class MSAIndexBranch(MegatronModule):

@@ -1,0 +1,75 @@
+"""The layer's THD RoPE (``msa_megatron.megatron.index.apply_rope``) gathers the table rows of
+all packed tokens at once instead of megatron-core's per-sequence loop; it must give
+megatron-core's values bitwise, under CP too (every rank of the load-balanced layout)."""
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+from msa_megatron.megatron.index import apply_rope, thd_rope_positions  # noqa: E402
+
+
+class _Group:
+    """The two methods megatron-core's THD RoPE asks of a CP group."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def _config(**kw) -> TransformerConfig:
+    return TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4,
+                             use_cpu_initialization=True, **kw)
+
+
+def _freqs(rows: int, dim: int, base: float = 10000.0) -> torch.Tensor:
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    f = torch.outer(torch.arange(rows, dtype=torch.float32), inv)
+    return torch.cat([f, f], dim=-1)[:, None, None, :]  # [rows, 1, 1, dim], megatron's layout
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+@pytest.mark.parametrize("packed_table", [False, True])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_thd_rope_matches_megatron_core_bitwise(cp_size, packed_table, interleaved):
+    gen = torch.Generator().manual_seed(7 * cp_size + packed_table + 3 * interleaved)
+    # many documents of uneven lengths, each a multiple of 2 * cp_size (megatron's CP layout)
+    lens = (torch.randint(1, 9, (37,), generator=gen) * 2 * cp_size).tolist()
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lens), 0)
+    total, heads, dim, rot = int(cu[-1]), 3, 16, 12  # partial rotary: the last 4 dims pass
+    freqs = _freqs(total if packed_table else max(lens), rot)
+    config = _config(rotary_interleaved=interleaved)
+    for rank in range(cp_size):
+        group = _Group(cp_size, rank)
+        t = torch.randn(total // cp_size, heads, dim, generator=gen)
+        want = apply_rotary_pos_emb(t, freqs, config=config, cu_seqlens=cu, cp_group=group)
+        got = apply_rope(t, freqs, config, cu, group)
+        assert torch.equal(got, want), (cp_size, rank, (got - want).abs().max())
+
+
+def test_thd_rope_positions_restart_per_sequence_and_follow_the_cp_chunks():
+    cu = torch.tensor([0, 8, 12], dtype=torch.int32)
+    assert thd_rope_positions(cu, 12, 1, 0, False).tolist() == list(range(8)) + list(range(4))
+    assert thd_rope_positions(cu, 12, 1, 0, True).tolist() == list(range(12))
+    # CP 2: sequence 0 (8 tokens) is chunks [0,1][2,3][4,5][6,7]; rank 0 holds 0 and 3
+    assert thd_rope_positions(cu, 6, 2, 0, False).tolist() == [0, 1, 6, 7, 0, 3]
+    assert thd_rope_positions(cu, 6, 2, 1, False).tolist() == [2, 3, 4, 5, 1, 2]
+    assert thd_rope_positions(cu, 6, 2, 1, True).tolist() == [2, 3, 4, 5, 9, 10]
+
+
+def test_bshd_and_no_freqs_unchanged():
+    config = _config()
+    t = torch.randn(10, 2, 3, 16)
+    freqs = _freqs(10, 16)
+    assert torch.equal(apply_rope(t, freqs, config, None, _Group(1, 0)),
+                       apply_rotary_pos_emb(t, freqs, config=config, cp_group=_Group(1, 0)))
+    assert apply_rope(t, None, config, None, None) is t

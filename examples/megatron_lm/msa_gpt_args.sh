@@ -132,3 +132,32 @@ else
 fi
 # shellcheck disable=SC2206  # tokenizer flags are a list of words
 MSA_GPT_ARGS+=($TOKENIZER_ARGS)
+
+# GPUS_PER_NODE for the launchers (processes per node): the environment's value, else the GPUs
+# `nvidia-smi --list-gpus` lists. These launchers need NVIDIA GPUs (the CPU route is
+# examples/run_tiny.sh); without any, one line on stderr and status 2, before torchrun starts.
+# Usage: msa_gpus_per_node LAUNCHER_NAME || exit $?
+msa_gpus_per_node() {
+    local launcher=$1 listing
+    if [ -n "${GPUS_PER_NODE:-}" ]; then
+        case $GPUS_PER_NODE in
+            *[!0-9]*|0*) echo "$launcher: GPUS_PER_NODE=$GPUS_PER_NODE must be a positive integer" >&2
+                         return 2 ;;
+        esac
+        return 0
+    fi
+    if ! command -v nvidia-smi >/dev/null 2>&1; then
+        echo "$launcher: no GPU found (nvidia-smi is not installed); this launcher needs NVIDIA" \
+             "GPUs (set GPUS_PER_NODE if they are there; on CPU use examples/run_tiny.sh)" >&2
+        return 2
+    fi
+    listing=$(nvidia-smi --list-gpus 2>&1) || true
+    GPUS_PER_NODE=$(printf '%s\n' "$listing" | grep -c '^GPU [0-9]' || true)
+    if [ "$GPUS_PER_NODE" -eq 0 ]; then
+        listing=$(printf '%s\n' "$listing" | head -n 1)
+        echo "$launcher: no GPU found (nvidia-smi --list-gpus: ${listing:-no output}); this" \
+             "launcher needs NVIDIA GPUs (set GPUS_PER_NODE if they are there; on CPU use" \
+             "examples/run_tiny.sh)" >&2
+        return 2
+    fi
+}

@@ -18,6 +18,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_TINY = REPO / "examples" / "run_tiny.sh"
+KIT = REPO / "examples" / "megatron_lm"
 GUARD_S = 300  # subprocess guard only
 
 # The tools the launchers use besides bash builtins (a PATH of only these has no nvidia-smi).
@@ -137,3 +138,60 @@ def test_run_tiny_bad_layout_is_one_line_before_anything(sandbox, setting, messa
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"examples/run_tiny.sh: {message}"), lines
     _nothing_installed_or_launched(env, log)
+
+
+# --- examples/megatron_lm launchers -------------------------------------------------------
+
+LAUNCHERS = {
+    "train_single_node.sh": {},
+    "train_multi_node.sh": {"NNODES": "2", "RDZV_HOST": "node0"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAUNCHERS))
+@pytest.mark.parametrize("smi", [None, ("No devices were found", 6), ("", 0)],
+                         ids=["no-nvidia-smi", "no-devices", "empty-list"])
+def test_megatron_launchers_without_gpus_say_so(sandbox, tmp_path, name, smi):
+    env, log = sandbox
+    if smi is not None:
+        _stub(tmp_path / "stubs" / "nvidia-smi", log, status=smi[1], output=smi[0])
+    env = dict(env, OUT_DIR=str(tmp_path / "out"), **LAUNCHERS[name])
+    proc = _run(KIT / name, env, cwd=tmp_path)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{name}: no GPU found"), proc.stderr
+    assert "command not found" not in proc.stderr
+    assert not [c for c in _calls(log) if c.startswith("torchrun")]
+
+
+@pytest.mark.parametrize("name", sorted(LAUNCHERS))
+def test_megatron_launchers_take_gpus_per_node(sandbox, tmp_path, name):
+    env, log = sandbox
+    env = dict(env, OUT_DIR=str(tmp_path / "out"), GPUS_PER_NODE="3", **LAUNCHERS[name])
+    proc = _run(KIT / name, env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    (launch,) = [c for c in _calls(log) if c.startswith("torchrun")]
+    assert "--nproc-per-node 3 " in launch
+    bad = _run(KIT / name, dict(env, GPUS_PER_NODE="two"), cwd=tmp_path)
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == f"{name}: GPUS_PER_NODE=two must be a positive integer"
+
+
+def test_megatron_launchers_count_listed_gpus(sandbox, tmp_path):
+    env, log = sandbox
+    listing = "GPU 0: NVIDIA H200 (UUID: GPU-a)\nGPU 1: NVIDIA H200 (UUID: GPU-b)"
+    _stub(tmp_path / "stubs" / "nvidia-smi", log, output=listing)
+    proc = _run(KIT / "train_single_node.sh", dict(env, OUT_DIR=str(tmp_path / "out")),
+                cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    (launch,) = [c for c in _calls(log) if c.startswith("torchrun")]
+    assert "--nproc-per-node 2 " in launch
+
+
+def test_slurm_script_outside_slurm_says_so(sandbox, tmp_path):
+    env, log = sandbox
+    proc = _run(KIT / "train_slurm.sbatch", env, cwd=tmp_path)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "not inside a Slurm job" in lines[0], proc.stderr
+    assert not [c for c in _calls(log) if c.startswith("torchrun")]

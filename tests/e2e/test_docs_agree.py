@@ -35,3 +35,53 @@ def test_readme_quotes_the_measured_gaps():
     assert "averages 0.005" not in readme and "the gap does not" not in readme
     for measured in ("0.011", "0.014", "0.018"):
         assert measured in readme, measured
+
+
+def test_torch_build_claims_match_ci_and_the_launcher():
+    """Which torch build pip installs is the index's choice: the README says so, and says that
+    ``.ci/run`` names no index (true only while ``.ci/run`` passes none)."""
+    readme = " ".join((REPO / "README.md").read_text().split())
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "on a machine with CUDA" not in readme  # the old claim: pip does not look at GPUs
+    assert "whether or not the machine has a GPU" in readme
+    assert "`.ci/run` names no index either" in readme
+    assert "--index-url" not in ci and "TORCH_SPEC=torch==2.13.0" in ci
+    launcher = (REPO / "examples" / "run_tiny.sh").read_text()
+    assert "TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}" in launcher
+    assert "--index-url https://download.pytorch.org/whl/cpu" in readme
+
+
+def _speed_table():
+    text = (REPO / "README.md").read_text()
+    start = text.index("Kernel speed against the targets")
+    rows = []
+    for line in text[start:].splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| paper") or line.startswith("| peer"):
+            rows.append(cells)
+        elif rows and not line.startswith("|"):
+            break
+    return text, rows
+
+
+def _pair(cell: str):
+    return [float(x) for x in re.findall(r"[0-9.]+", cell)[:2]]
+
+
+def test_readme_speed_gap_is_computed_from_its_own_numbers():
+    text, rows = _speed_table()
+    assert [r[0] for r in rows] == ["paper 8K", "peer 16K", "paper 32K", "paper 128K"]
+    shortfalls = []
+    for name, whole, dense, ratio, target, short in rows:
+        whole_ms, (dense_ms,) = _pair(whole), _pair(dense)
+        ratios = [dense_ms / w for w in whole_ms]
+        assert _pair(ratio) == [round(r, 2) for r in ratios], name
+        (goal,) = _pair(target)
+        if target.startswith("<="):  # a time: how many times too slow
+            expected = [w / goal for w in whole_ms]
+        else:  # a speed-up over cuDNN
+            expected = [goal / r for r in ratios]
+        assert _pair(short) == [round(e, 2) for e in expected], name
+        shortfalls += expected
+    summary = f"{min(shortfalls):.1f}x to {max(shortfalls):.1f}x short of the speed targets"
+    assert summary in " ".join(text.split())

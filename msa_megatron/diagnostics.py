@@ -103,13 +103,18 @@ def selection_recall(
         :class:`SelectionSample` with the rows, their positions, selection and recall.
 
     Raises:
-        ValueError: ``rows`` not 1-D integer or out of ``[0, T)``; a backend that cannot run
-            these inputs (e.g. triton: CPU tensors without the interpreter, an unsupported
+        ValueError: ``rows`` not 1-D integer or out of ``[0, T)``; meta tensors (a recall is
+            a value: they have none); a backend that cannot run these inputs (e.g. triton: CPU tensors without the interpreter, an unsupported
             index head dim or block size), the same check as the layer's forward.
         TypeError: a dtype the backend does not run.
     """
     T, Hq, D = q.shape
     Hkv, Hi = k.shape[1], q_idx.shape[1]
+    meta = [name for name, t in (("q", q), ("k", k), ("q_idx", q_idx), ("k_idx", k_idx),
+                                 ("rows", rows)) if t.device.type == "meta"]
+    if meta:
+        raise ValueError(f"selection_recall measures values, and {', '.join(meta)} "
+                         "on the meta device have none")
     if rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"rows must be a 1-D integer tensor, got {tuple(rows.shape)} {rows.dtype}")
     rows = rows.to(device=q.device, dtype=torch.int64)

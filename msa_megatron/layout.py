@@ -61,7 +61,8 @@ def real_token_rows(cu_seqlens_padded: torch.Tensor, cu_seqlens_real: Optional[t
             the sequence, row of its start.
 
     Returns:
-        ``[R]`` int64 ascending rows of real tokens, or None when no sequence is padded.
+        ``[R]`` int64 ascending rows of real tokens, or None when no sequence is padded (and
+        for meta tensors, whose rows are unknown: the KL is a 0-dim tensor either way).
 
     Raises:
         TypeError: ``cu_seqlens_real`` not an int32 tensor.
@@ -76,6 +77,8 @@ def real_token_rows(cu_seqlens_padded: torch.Tensor, cu_seqlens_real: Optional[t
             f"the real (unpadded) cu_seqlens has shape {list(cu_seqlens_real.shape)} but the "
             f"padded cu_seqlens has shape {list(cu_seqlens_padded.shape)}"
         )
+    if q_pos.device.type == "meta":  # shape inference: R depends on the values
+        return None
     real = torch.diff(cu_seqlens_real.to(device=q_pos.device, dtype=torch.int64))
     padded = torch.diff(cu_seqlens_padded.to(device=q_pos.device, dtype=torch.int64))
     if bool((real < 0).any()) or bool((real > padded).any()):

@@ -389,7 +389,9 @@ class MSACoreAttention(MegatronModule):
             cu_seqlens = (torch.arange(batch + 1, dtype=torch.int32, device=q.device) * seq_len
                           if cp_size == 1 else sbhd_cu_seqlens(batch, seq_len * cp_size, q.device))
         # N of the KL normaliser: the real tokens of the micro-batch over all CP ranks.
-        tokens_global = q.shape[0] * cp_size if cu_real is None else int(cu_real[-1] - cu_real[0])
+        # (Meta tensors have no values: their KL, a meta tensor, does not depend on this.)
+        tokens_global = (q.shape[0] * cp_size if cu_real is None or cu_real.device.type == "meta"
+                         else int(cu_real[-1] - cu_real[0]))
         stats = None
         if cp_size > 1 and self.training:
             stats = cp_stats_accumulator(self.layer_number, new_micro_batch=not recomputing)

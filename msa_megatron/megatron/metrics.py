@@ -51,6 +51,8 @@ class _MetricTracker:
         self.weights: Dict[int, torch.Tensor] = {}
 
     def record(self, layer_number: int, kl: torch.Tensor, weight: float) -> None:
+        if kl.device.type == "meta":  # a shape-inference forward has no value to record
+            return
         value = kl.detach().float()
         if layer_number not in self.values:
             # Shape [1], not 0-dim: torch.compile drops in-place updates of captured 0-dim

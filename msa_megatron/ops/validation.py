@@ -2,6 +2,11 @@
 
 Everything here runs before any kernel is launched and raises ``ValueError`` / ``TypeError``
 naming the argument and its shape.
+
+Meta tensors (``device="meta"``: shapes and dtypes, no values) get every check that needs no
+values, and the ``torch`` and ``triton`` backends then infer the output shapes, as with the fake
+tensors of ``torch.compile``; what depends on values (the ``cu_seqlens`` values, the
+``reference`` backend, which computes with them) is skipped or refused with a ``ValueError``.
 """
 
 from __future__ import annotations
@@ -59,11 +64,18 @@ def check_same_dtype_device(named: dict) -> None:
             )
 
 
+def is_meta(t: object) -> bool:
+    """True for a tensor on the meta device (shape and dtype only, no values)."""
+    return isinstance(t, torch.Tensor) and t.device.type == "meta"
+
+
 def check_cu_seqlens(cu_seqlens: Optional[torch.Tensor], total: int, device: torch.device) -> None:
     """Validate packed-sequence boundaries (MSA_SPEC section 1).
 
     Args:
         cu_seqlens: ``[n+1]`` int32, non-decreasing, first 0, last ``total``; or None.
+            On the meta device only its type, dtype, shape and device are checked (it has no
+            values).
         total: T, the number of packed tokens.
         device: the device of the other inputs.
 
@@ -81,6 +93,8 @@ def check_cu_seqlens(cu_seqlens: Optional[torch.Tensor], total: int, device: tor
         raise ValueError(f"cu_seqlens must be 1-D with >= 1 entry, got shape {_shape(cu_seqlens)}")
     if cu_seqlens.device != device:
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but the inputs are on {device}")
+    if is_meta(cu_seqlens):  # no values to check: shape inference only
+        return
     if torch.compiler.is_compiling():
         # The eager checks below read the tensor on the host, which torch.compile cannot trace
         # (fullgraph=True). Traced instead: one device-side assertion over the same conditions
@@ -162,10 +176,27 @@ def check_main_inputs(q, k, v, q_idx, k_idx) -> tuple:
 
 def check_backend_limits(backend: str, dtype: torch.dtype, head_dims: dict, block_size: int,
                          device: Optional[torch.device] = None) -> None:
-    """Raise if ``backend`` cannot run this dtype / head dim / block size (/ device)."""
+    """Raise if ``backend`` cannot run this dtype / head dim / block size (/ device).
+
+    Args:
+        backend: the resolved backend name.
+        dtype, head_dims, block_size, device: of the inputs (``head_dims``: name -> size).
+
+    Raises:
+        TypeError: a dtype the backend does not run.
+        ValueError: a head dim, block size or device it does not run (``reference`` on meta
+            tensors: it computes with the values; ``triton`` off CUDA and off the meta device
+            without ``TRITON_INTERPRET=1``).
+    """
+    if backend == "reference" and device is not None and device.type == "meta":
+        raise ValueError(
+            "backend='reference' cannot run on meta tensors (the inputs are on the meta "
+            "device): it computes the result from their values; backend='torch' or 'triton' "
+            "infer the output shapes of meta inputs")
     if backend != "triton":
         return
-    if device is not None and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if (device is not None and device.type not in ("cuda", "meta")
+            and os.environ.get("TRITON_INTERPRET") != "1"):
         raise ValueError(
             f"backend='triton' needs CUDA tensors, got tensors on {device}; use backend='torch', "
             "or set TRITON_INTERPRET=1 before triton is imported to run the kernels in Triton's "

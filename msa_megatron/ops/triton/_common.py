@@ -24,7 +24,8 @@ Hi index heads, Hik index key heads):
   gradients.
 - ``ISO``: the variant with NaN/Inf isolation (``_isolation.support_mma``); both variants are
   launched, the one the device flag ``bad_ptr`` does not select returns at once.
-- ``ROWS``: (token, index head) rows per tile of the KL pass A (one row per pair, no heads);
+- ``ROWS``: rows per tile of the KL kernels, one per (token, index head) pair (the teacher
+  loops over the ``HPI`` query heads of the pair);
   ``FIXED``, ``DZS``: the dense KL's fixed-point scale of ``dq_idx`` and the scale of ``dz``.
 """
 
@@ -178,18 +179,3 @@ def student_row_stats(qi, ki_ptr, j, s_jt, s_jh, kbase, pos, rows, k_lo, k_hi, i
         lz = lz * tl.exp(mz - m_use) + tl.sum(tl.exp(z - m_use[:, None]), axis=1)
         mz = m_new
     return mz, lz
-
-
-@triton.jit
-def token_mean(p, TOK: tl.constexpr, HR: tl.constexpr, HEADS: tl.constexpr):
-    """Mean over each token's ``HEADS`` head rows of ``p [TOK*HR, N]``, broadcast back to its rows.
-
-    Rows ``r`` hold token ``r // HR`` and head ``r % HR``; rows of padding heads must be zero.
-    """
-    N: tl.constexpr = p.shape[1]
-    if TOK == 1:
-        out = tl.broadcast_to(tl.sum(p, axis=0)[None, :] / HEADS, (HR, N))
-    else:
-        per_token = tl.sum(tl.reshape(p, (TOK, HR, N)), axis=1) / HEADS
-        out = tl.reshape(tl.broadcast_to(per_token[:, None, :], (TOK, HR, N)), (TOK * HR, N))
-    return out

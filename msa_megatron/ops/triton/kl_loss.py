@@ -14,11 +14,14 @@ block, merged per token; pass B, per chunk of query tokens and per (unit of inde
 selected start row, key sub-tile), recomputes ``T`` and ``Qs`` for the rows that selected the
 block, adds ``dz^T q_idx`` to an fp32 index-key gradient of its rows (one partial per unit,
 summed in a fixed order) and writes per-pair partials of the KL value and of ``dq_idx``.
-Dense mode: a query-outer rows kernel (``lse_z``, KL, ``dq_idx``) and a key-tile-outer kernel
-(``dk_idx``).
+Pass B visits only the (KV group, start row) numbers with pairs in the chunk
+(:func:`.reverse_index.chunk_groups`). Dense mode: a query-outer rows kernel (``lse_z``, KL,
+``dq_idx``) and a key-tile-outer kernel (``dk_idx``).
 
-Rows hold token x query head (the teacher needs every head of the index head); index
-queries are loaded on each token's first head row only, where the per-token values live.
+A row tile holds one row per (token, index head) pair: the teacher is summed over the index
+head's query heads, one product per head (:func:`_kl_tile`), so the student and both gradient
+products run at one row per pair (until v7 rows were token x query head, and those three
+products did ``Hq / Hi`` times the useful work).
 """
 
 from __future__ import annotations
@@ -32,13 +35,13 @@ import triton.language as tl
 from ._common import (
     ALL_ROWS, DENSE_KEY_TILE, DENSE_ROWS, FULL_ROWS, GATHER_ROWS, KEY_SUBTILE, KL_ROWS,
     SPARSE_ROWS, dot_flags, mma, partial_budget, persistent_programs, row_filter, stage_options,
-    student_row_stats, support_mask, tile_rows, token_mean,
+    student_row_stats, support_mask, tile_rows,
 )
 from ._isolation import launch_both, log_sum_exp, nonfinite, nonfinite_flag, skip, support_mma
 from .backward import sum_partials_kernel
-from .forward import pair_rows, query_rows, query_tiling, warps_for
+from .forward import pair_rows, query_rows, warps_for
 from .reverse_index import (
-    SUB_CHUNKS, bucket_pairs, bucket_rows, build_reverse_index, chunk_count,
+    SUB_CHUNKS, bucket_pairs, bucket_rows, build_reverse_index, chunk_count, chunk_groups,
     chunk_tokens_bound, item_pairs, query_tile_ranges,
 )
 
@@ -48,34 +51,37 @@ _DZ_SCALE = tl.constexpr(4096.0)
 
 
 @triton.jit
-def _kl_tile(kt, kit, krow, kmask, t, i, hl, valid, q_ptr, lse_ptr, qi_ptr, lsez_ptr, qpos_ptr,
+def _kl_tile(kt, kit, krow, kmask, t, i, valid, q_ptr, lse_ptr, qi_ptr, lsez_ptr, qpos_ptr,
              qkb_ptr, s_qt, s_qh, s_lt, s_it, s_ih, s_zt, scale, iscale,
-             HPI: tl.constexpr, HR: tl.constexpr, TOK: tl.constexpr, D: tl.constexpr,
-             DI: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """Rows (token x head) against one key tile: ``(dz * _DZ_SCALE, kl, q_idx rows, on,
-    reach)``; ``on [R, N]`` is the support on first head rows.
+             HPI: tl.constexpr, D: tl.constexpr, DI: tl.constexpr, UPCAST: tl.constexpr,
+             IEEE: tl.constexpr):
+    """Rows (token ``t``, index head ``i``), one per pair, against one key tile:
+    ``(dz * _DZ_SCALE, kl, q_idx rows, on, reach)``; ``on [R, N]`` is the support.
 
-    ``dz`` and ``kl`` (per row, summed over the tile) are nonzero on first head rows only; a
-    NaN teacher is kept (it makes the KL NaN, as in the oracle), ``0 log 0 = 0``.
+    The teacher is summed over the index head's ``HPI`` query heads, one ``[R, N]`` product
+    each (the only products at query-head size); the student and both gradient products run
+    at one row per pair. ``kl`` is per row, summed over the tile; a NaN teacher is kept (it
+    makes the KL NaN, as in the oracle), ``0 log 0 = 0``.
     """
     pos = tl.load(qpos_ptr + t, mask=valid, other=-1)
     kbase = tl.load(qkb_ptr + t, mask=valid, other=0)
     t64 = t.to(tl.int64)
-    h = i * HPI + hl
-    first = valid & (hl == 0)
     d = tl.arange(0, D)
     di = tl.arange(0, DI)
-    q = tl.load(q_ptr + t64[:, None] * s_qt + h[:, None] * s_qh + d[None, :],
-                mask=valid[:, None], other=0.0)
-    lse = tl.load(lse_ptr + t64 * s_lt + h, mask=valid, other=float("inf"))
+    on = support_mask(krow, kmask, kbase, pos, valid)
+    teacher = tl.zeros(on.shape, tl.float32)
+    for hl in range(HPI):
+        h = i * HPI + hl
+        q = tl.load(q_ptr + t64[:, None] * s_qt + h[:, None] * s_qh + d[None, :],
+                    mask=valid[:, None], other=0.0)
+        lse = tl.load(lse_ptr + t64 * s_lt + h, mask=valid, other=float("inf"))
+        s = mma(q, tl.trans(kt), UPCAST, IEEE) * scale - lse[:, None]
+        teacher += tl.where(on, tl.exp(s), 0.0)
+    teacher = teacher / HPI
     qi = tl.load(qi_ptr + t64[:, None] * s_it + i[:, None] * s_ih + di[None, :],
-                 mask=first[:, None], other=0.0)
-    lse_z = tl.load(lsez_ptr + t64 * s_zt + i, mask=first, other=0.0)
-    inside = support_mask(krow, kmask, kbase, pos, valid)
-    p = tl.where(inside, tl.exp(mma(q, tl.trans(kt), UPCAST, IEEE) * scale - lse[:, None]), 0.0)
-    teacher = token_mean(p, TOK, HR, HPI)
+                 mask=valid[:, None], other=0.0)
+    lse_z = tl.load(lsez_ptr + t64 * s_zt + i, mask=valid, other=0.0)
     log_qs = mma(qi, tl.trans(kit), UPCAST, IEEE) * iscale - lse_z[:, None]
-    on = inside & first[:, None]
     has_t = on & (teacher != 0)
     log_t = tl.log(tl.where(has_t, teacher, 1.0))
     kl = tl.sum(tl.where(has_t, teacher * (log_t - log_qs), 0.0), axis=1)
@@ -88,59 +94,56 @@ def _kl_rows_dense_kernel(
     q_ptr, k_ptr, lse_ptr, qi_ptr, ki_ptr, qpos_ptr, qkb_ptr, full_ptr, kl_ptr, lsez_ptr, dqi_ptr,
     Tq, Tk, scale, iscale, grad_scale,
     s_qt, s_qh, s_kt, s_kh, s_lt, s_it, s_ih, s_jt, s_jh, s_zt,
-    HPI: tl.constexpr, HR: tl.constexpr, TOK: tl.constexpr, IPG: tl.constexpr,
-    HPK: tl.constexpr, D: tl.constexpr, DI: tl.constexpr, BN: tl.constexpr, HI: tl.constexpr,
+    HPI: tl.constexpr, ROWS: tl.constexpr, IPG: tl.constexpr, HPK: tl.constexpr,
+    D: tl.constexpr, DI: tl.constexpr, BN: tl.constexpr, HI: tl.constexpr,
     FULL: tl.constexpr, GRAD: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
     ISO: tl.constexpr, bad_ptr,
 ):
-    """Query-outer over the causal row (dense mode; rows marked full in sparse mode):
-    ``lse_z``, per-token KL and ``dq_idx``."""
+    """Query-outer over the causal row (dense mode; rows marked full in sparse mode), ``ROWS``
+    tokens of one index head per program: ``lse_z``, per-token KL and ``dq_idx``."""
     if skip(bad_ptr, ISO):
         return
-    R: tl.constexpr = TOK * HR
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     i = tl.program_id(1)
     g = i // IPG
     j = i // HPK
-    t, h, valid, pos, kbase = query_rows(tile, i, Tq, qpos_ptr, qkb_ptr, full_ptr, HPI, HR, TOK,
+    t, _, valid, pos, kbase = query_rows(tile, i, Tq, qpos_ptr, qkb_ptr, full_ptr, 1, 1, ROWS,
                                          HI, FULL)
-    hl = h - i * HPI
-    first = valid & (hl == 0)
-    ii = i + 0 * hl
+    ii = i + 0 * t
     t64 = t.to(tl.int64)
     di = tl.arange(0, DI)
     d = tl.arange(0, D)
     c = tl.arange(0, BN)
-    qi = tl.load(qi_ptr + t64[:, None] * s_it + i * s_ih + di[None, :], mask=first[:, None],
+    qi = tl.load(qi_ptr + t64[:, None] * s_it + i * s_ih + di[None, :], mask=valid[:, None],
                  other=0.0)
     k_lo = tl.min(tl.where(valid, kbase, Tk))
     k_hi = tl.max(tl.where(valid, kbase + pos, -1))
     # Pass 1: the student's log-normaliser over the causal row.
-    mz, lz = student_row_stats(qi, ki_ptr, j, s_jt, s_jh, kbase, pos, first, k_lo, k_hi, iscale,
+    mz, lz = student_row_stats(qi, ki_ptr, j, s_jt, s_jh, kbase, pos, valid, k_lo, k_hi, iscale,
                                BN, DI, UPCAST, IEEE)
-    lse_z = tl.where(first, log_sum_exp(mz, lz), 0.0)
-    tl.store(lsez_ptr + t64 * s_zt + i, lse_z, mask=first)
+    lse_z = tl.where(valid, log_sum_exp(mz, lz), 0.0)
+    tl.store(lsez_ptr + t64 * s_zt + i, lse_z, mask=valid)
     # Pass 2: teacher, KL and the index-query gradient.
-    kl = tl.zeros([R], tl.float32)
-    dqi = tl.zeros([R, DI], tl.float32)
+    kl = tl.zeros([ROWS], tl.float32)
+    dqi = tl.zeros([ROWS, DI], tl.float32)
     for k0 in range(k_lo, k_hi + 1, BN):
         krow = k0 + c
         kmask = krow <= k_hi
         k64 = krow.to(tl.int64)[:, None]
         kt = tl.load(k_ptr + k64 * s_kt + g * s_kh + d[None, :], mask=kmask[:, None], other=0.0)
         kit = tl.load(ki_ptr + k64 * s_jt + j * s_jh + di[None, :], mask=kmask[:, None], other=0.0)
-        dz, kl_tile, _, on, _ = _kl_tile(kt, kit, krow, kmask, t, ii, hl, valid, q_ptr, lse_ptr,
+        dz, kl_tile, _, on, _ = _kl_tile(kt, kit, krow, kmask, t, ii, valid, q_ptr, lse_ptr,
                                          qi_ptr, lsez_ptr, qpos_ptr, qkb_ptr, s_qt, s_qh, s_lt,
-                                         s_it, s_ih, s_zt, scale, iscale, HPI, HR, TOK, D, DI,
-                                         UPCAST, IEEE)
+                                         s_it, s_ih, s_zt, scale, iscale, HPI, D, DI, UPCAST,
+                                         IEEE)
         kl += kl_tile
         if GRAD:
             dqi += support_mma(dz.to(kit.dtype), kit, nonfinite(kit), on, UPCAST, IEEE, ISO)
-    tl.store(kl_ptr + t64 * s_zt + i, kl, mask=first)
+    tl.store(kl_ptr + t64 * s_zt + i, kl, mask=valid)
     if GRAD:
         dqi = dqi * (iscale * grad_scale / _DZ_SCALE)
         tl.store(dqi_ptr + t64[:, None] * s_it + i * s_ih + di[None, :],
-                 dqi.to(dqi_ptr.dtype.element_ty), mask=first[:, None])
+                 dqi.to(dqi_ptr.dtype.element_ty), mask=valid[:, None])
 
 
 @triton.jit
@@ -182,20 +185,23 @@ def _kl_lsez_blocks_kernel(
 @triton.jit
 def _kl_keys_kernel(
     q_ptr, k_ptr, lse_ptr, qi_ptr, ki_ptr, lsez_ptr, qpos_ptr, qkb_ptr, part_ptr, pkl_ptr,
-    pdqi_ptr, pair_ptr, off_ptr, starts_ptr, meta_ptr, sub_t0_ptr, full_ptr, qt_lo_ptr,
-    qt_hi_ptr, sc0, sc1, Tq, Tk, scale, iscale, grad_scale,
+    pdqi_ptr, pair_ptr, off_ptr, starts_ptr, meta_ptr, sub_t0_ptr, grp_ptr, n_grp_ptr, full_ptr,
+    qt_lo_ptr, qt_hi_ptr, sc0, sc1, Tq, Tk, scale, iscale, grad_scale,
     s_qt, s_qh, s_kt, s_kh, s_lt, s_it, s_ih, s_jt, s_jh, s_zt, s_pu,
-    HI: tl.constexpr, TOPK: tl.constexpr, HPI: tl.constexpr, HR: tl.constexpr,
-    TOK: tl.constexpr, IPG: tl.constexpr, HPK: tl.constexpr, UNIT: tl.constexpr,
+    HI: tl.constexpr, TOPK: tl.constexpr, HPI: tl.constexpr, ROWS: tl.constexpr,
+    IPG: tl.constexpr, HPK: tl.constexpr, UNIT: tl.constexpr,
     D: tl.constexpr, DI: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr, SUB: tl.constexpr,
     SPARSE: tl.constexpr, FULL: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
     ISO: tl.constexpr, bad_ptr,
 ):
-    """Index-key gradient of key rows, one fp32 partial per unit (``part [units, Tk, DI]``).
+    """Index-key gradient of key rows, one fp32 partial per unit (``part [units, Tk, DI]``);
+    row tiles hold ``ROWS`` (token, index head) pairs, one row each (:func:`_kl_tile`).
 
     Sparse (pass B): persistent over (unit x start row, key sub-tile) for the pairs of
-    sub-chunks ``sc0 .. sc1 - 1``, adds to ``part`` (chunks run one after the other) and writes
-    per-pair partials of the KL (``pkl``) and of ``dq_idx`` (``pdqi``, rows
+    sub-chunks ``sc0 .. sc1 - 1``, visiting only the ``n_grp_ptr[0]`` (KV group x start row)
+    numbers listed in ``grp_ptr`` (those with pairs in these sub-chunks,
+    :func:`.reverse_index.chunk_groups`); adds to ``part`` (chunks run one after the other) and
+    writes per-pair partials of the KL (``pkl``) and of ``dq_idx`` (``pdqi``, rows
     ``flat * NSUB + sub``, relative to the chunk). Dense: one program per key tile and unit,
     over the query tiles that can see the tile (rows filtered by ``FULL``); writes ``part``.
     """
@@ -204,21 +210,20 @@ def _kl_keys_kernel(
     UPG: tl.constexpr = IPG // UNIT
     NSUB: tl.constexpr = BN // KS
     out_scale = iscale * grad_scale / _DZ_SCALE
-    r = tl.arange(0, TOK * HR)
-    hl = r % HR
+    r = tl.arange(0, ROWS)
     c = tl.arange(0, KS)
     d = tl.arange(0, D)
     di = tl.arange(0, DI)
     if SPARSE:
         f0 = tl.load(sub_t0_ptr + sc0) * (HI * TOPK)
-        n_unit_rows = tl.load(meta_ptr + 3) // IPG * UPG
-        for w in range(tl.program_id(0), n_unit_rows * NSUB, tl.num_programs(0)):
-            ub = w // NSUB
-            gc = ub // UPG
-            g, _, s0 = bucket_rows(starts_ptr, meta_ptr, gc * IPG, IPG)
-            unit = g * UPG + ub % UPG
+        for w in range(tl.program_id(0), tl.load(n_grp_ptr) * (UPG * NSUB), tl.num_programs(0)):
+            gb = tl.load(grp_ptr + w // (UPG * NSUB))
+            ug = w // NSUB % UPG
+            sub = w % NSUB
+            g, _, s0 = bucket_rows(starts_ptr, meta_ptr, gb * IPG, IPG)
+            unit = g * UPG + ug
             j = unit * UNIT // HPK
-            krow = s0 + (w % NSUB) * KS + c
+            krow = s0 + sub * KS + c
             kmask = krow < Tk
             k64 = krow.to(tl.int64)[:, None]
             kt = tl.load(k_ptr + k64 * s_kt + g * s_kh + d[None, :], mask=kmask[:, None], other=0.0)
@@ -228,24 +233,21 @@ def _kl_keys_kernel(
             dki = tl.zeros([KS, DI], tl.float32)
             reach = -1
             for m in range(UNIT):
-                lo, hi = bucket_pairs(off_ptr, meta_ptr, gc * IPG + (ub % UPG) * UNIT + m, sc0,
-                                      sc1, SUB)
-                for p0 in range(lo, hi, TOK):
-                    flat, t, i, hl, valid = pair_rows(pair_ptr, p0, hi, f0, HI, TOPK, HPI, HR,
-                                                      TOK)
-                    dz, kl, qi, on, rr = _kl_tile(kt, kit, krow, kmask, t, i, hl, valid, q_ptr,
+                lo, hi = bucket_pairs(off_ptr, meta_ptr, gb * IPG + ug * UNIT + m, sc0, sc1, SUB)
+                for p0 in range(lo, hi, ROWS):
+                    flat, t, i, _, valid = pair_rows(pair_ptr, p0, hi, f0, HI, TOPK, 1, 1, ROWS)
+                    dz, kl, qi, on, rr = _kl_tile(kt, kit, krow, kmask, t, i, valid, q_ptr,
                                                   lse_ptr, qi_ptr, lsez_ptr, qpos_ptr, qkb_ptr,
                                                   s_qt, s_qh, s_lt, s_it, s_ih, s_zt, scale,
-                                                  iscale, HPI, HR, TOK, D, DI, UPCAST, IEEE)
+                                                  iscale, HPI, D, DI, UPCAST, IEEE)
                     reach = tl.maximum(reach, rr)
                     dki += support_mma(tl.trans(dz.to(qi.dtype)), qi, nonfinite(qi),
                                        tl.trans(on), UPCAST, IEEE, ISO)
                     dqi = support_mma(dz.to(kit.dtype), kit, kit_bad, on, UPCAST,
                                       IEEE, ISO) * out_scale
-                    prow = flat.to(tl.int64) * NSUB + w % NSUB
-                    first = valid & (hl == 0)
-                    tl.store(pkl_ptr + prow, kl, mask=first)
-                    tl.store(pdqi_ptr + prow[:, None] * DI + di[None, :], dqi, mask=first[:, None])
+                    prow = flat.to(tl.int64) * NSUB + sub
+                    tl.store(pkl_ptr + prow, kl, mask=valid)
+                    tl.store(pdqi_ptr + prow[:, None] * DI + di[None, :], dqi, mask=valid[:, None])
             out = (kmask & (krow <= reach))[:, None]
             p_off = unit.to(tl.int64) * s_pu + k64 * DI + di[None, :]
             tl.store(part_ptr + p_off, tl.load(part_ptr + p_off, mask=out, other=0.0)
@@ -268,12 +270,12 @@ def _kl_keys_kernel(
         for ii in range(UNIT):
             i = unit * UNIT + ii + 0 * r
             for a in range(a_lo, a_hi):
-                t = a * TOK + r // HR
-                rows = row_filter((t < Tq) & (hl < HPI), t, i, full_ptr, HI, FULL)
-                dz, _, qi, on, _ = _kl_tile(kt, kit, krow, kmask, t, i, hl, rows, q_ptr, lse_ptr,
+                t = a * ROWS + r
+                rows = row_filter(t < Tq, t, i, full_ptr, HI, FULL)
+                dz, _, qi, on, _ = _kl_tile(kt, kit, krow, kmask, t, i, rows, q_ptr, lse_ptr,
                                             qi_ptr, lsez_ptr, qpos_ptr, qkb_ptr, s_qt, s_qh, s_lt,
-                                            s_it, s_ih, s_zt, scale, iscale, HPI, HR, TOK, D, DI,
-                                            UPCAST, IEEE)
+                                            s_it, s_ih, s_zt, scale, iscale, HPI, D, DI, UPCAST,
+                                            IEEE)
                 dki += support_mma(tl.trans(dz.to(qi.dtype)), qi, nonfinite(qi), tl.trans(on),
                                    UPCAST, IEEE, ISO)
         tl.store(part_ptr + unit.to(tl.int64) * s_pu + k64 * DI + di[None, :], dki * out_scale,
@@ -314,13 +316,9 @@ def kl_loss(
         return torch.zeros((), dtype=torch.float32, device=dev), *empty
     upcast, ieee = dot_flags(q.dtype)
     opts = stage_options(q.dtype)
+    # Row tiles of (token, index head) pairs, one row each (the teacher loops over the query
+    # heads): KL_ROWS in passes A and B and the dense key kernel, DENSE_ROWS query-outer.
     kl_rows = tile_rows(KL_ROWS, q.dtype)
-    # Query rows per key-side tile: KL_ROWS in the sparse pass B (v4's tiles; both variants fit
-    # sm_90 under Triton 3.6 at D = Di = 128: 227 / 193 KiB, benchmarks/NOTES.md "v6 -> v7"),
-    # GATHER_ROWS in the dense key kernel (at 128 rows it asks for 256 KiB, over the H200's
-    # 227 KiB; the interpreter checks no limit).
-    tok, hr = query_tiling(hpi, tile_rows(GATHER_ROWS, q.dtype))
-    tok_b, hr_b = query_tiling(hpi, kl_rows)
     scales = (float(softmax_scale), float(index_scale), float(kl_scale))
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
                q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), k_idx.stride(1))
@@ -348,15 +346,15 @@ def kl_loss(
     full = q_pos if rev is None else rev.full
     which = ALL_ROWS if rev is None else FULL_ROWS
     kl_tok = torch.zeros((Tq, Hi), dtype=torch.float32, device=dev)
-    rows_tok, rows_hr = query_tiling(hpi, tile_rows(DENSE_ROWS, q.dtype))
+    rows_tok = tile_rows(DENSE_ROWS, q.dtype)
     bad = nonfinite_flag(q_idx, k_idx)  # the operands support_mma isolates here
     launch_both(
         _kl_rows_dense_kernel, (triton.cdiv(Tq, rows_tok), Hi), q, k, lse, q_idx, k_idx, q_pos,
         q_kbase, full, kl_tok, lse_z,
         dq_idx if compute_grad else q_idx, Tq, Tk, *scales, *strides, lse_z.stride(0),
-        HPI=hpi, HR=rows_hr, TOK=rows_tok, IPG=ipg, HPK=hpk, D=D, DI=Di, BN=DENSE_KEY_TILE,
+        HPI=hpi, ROWS=rows_tok, IPG=ipg, HPK=hpk, D=D, DI=Di, BN=DENSE_KEY_TILE,
         HI=Hi, FULL=which, GRAD=compute_grad, UPCAST=upcast, IEEE=ieee, bad_ptr=bad,
-        num_warps=warps_for(rows_tok * rows_hr), **opts,
+        num_warps=warps_for(rows_tok), **opts,
     )
     sums = [kl_tok.sum()]
     part = None
@@ -364,14 +362,15 @@ def kl_loss(
         part = torch.empty((n_units, Tk, Di), dtype=torch.float32, device=dev)
         ks = KEY_SUBTILE
         present = None if rev is None else rev.full.any(1)
-        qt_lo, qt_hi = query_tile_ranges(q_pos, q_kbase, Tk, tok, ks, present)
+        qt_lo, qt_hi = query_tile_ranges(q_pos, q_kbase, Tk, kl_rows, ks, present)
         launch_both(
             _kl_keys_kernel, (triton.cdiv(Tk, ks), n_units), q, k, lse, q_idx, k_idx, lse_z,
             q_pos, q_kbase, part, part, part, q_pos, q_pos, q_pos,
-            q_pos, q_pos, full, qt_lo, qt_hi, 0, 0, Tq, Tk, *scales, *strides, lse_z.stride(0),
-            part.stride(0), HI=Hi, TOPK=1, HPI=hpi, HR=hr, TOK=tok, IPG=ipg, HPK=hpk, UNIT=unit,
-            D=D, DI=Di, BN=ks, KS=ks, SUB=SUB_CHUNKS, SPARSE=False, FULL=which, UPCAST=upcast,
-            IEEE=ieee, bad_ptr=bad, num_warps=warps_for(max(tok * hr, ks)), **opts,
+            q_pos, q_pos, q_pos, q_pos, full, qt_lo, qt_hi, 0, 0, Tq, Tk, *scales, *strides,
+            lse_z.stride(0), part.stride(0), HI=Hi, TOPK=1, HPI=hpi, ROWS=kl_rows, IPG=ipg,
+            HPK=hpk, UNIT=unit, D=D, DI=Di, BN=ks, KS=ks, SUB=SUB_CHUNKS, SPARSE=False,
+            FULL=which, UPCAST=upcast, IEEE=ieee, bad_ptr=bad,
+            num_warps=warps_for(max(kl_rows, ks)), **opts,
         )
     if rev is not None:
         if part is None:  # the value only: pass B still adds its (unused) index-key gradient
@@ -384,18 +383,20 @@ def kl_loss(
         pkl = torch.zeros(rows * Hi * top_k * nsub, dtype=torch.float32, device=dev)
         pdqi = torch.empty((rows * Hi * top_k * nsub, Di), dtype=torch.float32, device=dev)
         step = SUB_CHUNKS // chunks
-        for sc0 in range(0, SUB_CHUNKS, step):
+        groups, n_groups = chunk_groups(rev, chunks)
+        for ci, sc0 in enumerate(range(0, SUB_CHUNKS, step)):
             if sc0:
                 pkl.zero_()
             launch_both(
                 _kl_keys_kernel, (persistent_programs(dev, n_units * Tk * nsub),), q, k, lse,
                 q_idx, k_idx, lse_z, q_pos, q_kbase, part, pkl, pdqi, rev.pair,
-                rev.off, rev.starts, rev.meta, rev.sub_t0, rev.full, q_pos, q_pos, sc0, sc0 + step,
+                rev.off, rev.starts, rev.meta, rev.sub_t0, groups[ci], n_groups[ci:ci + 1],
+                rev.full, q_pos, q_pos, sc0, sc0 + step,
                 Tq, Tk, *scales, *strides, lse_z.stride(0), part.stride(0),
-                HI=Hi, TOPK=top_k, HPI=hpi, HR=hr_b, TOK=tok_b, IPG=ipg, HPK=hpk, UNIT=unit,
+                HI=Hi, TOPK=top_k, HPI=hpi, ROWS=kl_rows, IPG=ipg, HPK=hpk, UNIT=unit,
                 D=D, DI=Di, BN=block_size, KS=ks, SUB=SUB_CHUNKS, SPARSE=True, FULL=SPARSE_ROWS,
                 UPCAST=upcast, IEEE=ieee, bad_ptr=bad,
-                num_warps=warps_for(max(tok_b * hr_b, ks)), **opts,
+                num_warps=warps_for(max(kl_rows, ks)), **opts,
             )
             sums.append(pkl.sum())
             if compute_grad:

@@ -107,7 +107,7 @@ def _kl_rows_dense_kernel(
     i = tl.program_id(1)
     g = i // IPG
     j = i // HPK
-    t, _, valid, pos, kbase = query_rows(tile, i, Tq, qpos_ptr, qkb_ptr, full_ptr, 1, 1, ROWS,
+    t, _h, valid, pos, kbase = query_rows(tile, i, Tq, qpos_ptr, qkb_ptr, full_ptr, 1, 1, ROWS,
                                          HI, FULL)
     ii = i + 0 * t
     t64 = t.to(tl.int64)
@@ -132,7 +132,7 @@ def _kl_rows_dense_kernel(
         k64 = krow.to(tl.int64)[:, None]
         kt = tl.load(k_ptr + k64 * s_kt + g * s_kh + d[None, :], mask=kmask[:, None], other=0.0)
         kit = tl.load(ki_ptr + k64 * s_jt + j * s_jh + di[None, :], mask=kmask[:, None], other=0.0)
-        dz, kl_tile, _, on, _ = _kl_tile(kt, kit, krow, kmask, t, ii, valid, q_ptr, lse_ptr,
+        dz, kl_tile, _qi, on, _reach = _kl_tile(kt, kit, krow, kmask, t, ii, valid, q_ptr, lse_ptr,
                                          qi_ptr, lsez_ptr, qpos_ptr, qkb_ptr, s_qt, s_qh, s_lt,
                                          s_it, s_ih, s_zt, scale, iscale, HPI, D, DI, UPCAST,
                                          IEEE)
@@ -220,7 +220,7 @@ def _kl_keys_kernel(
             gb = tl.load(grp_ptr + w // (UPG * NSUB))
             ug = w // NSUB % UPG
             sub = w % NSUB
-            g, _, s0 = bucket_rows(starts_ptr, meta_ptr, gb * IPG, IPG)
+            g, _head, s0 = bucket_rows(starts_ptr, meta_ptr, gb * IPG, IPG)
             unit = g * UPG + ug
             j = unit * UNIT // HPK
             krow = s0 + sub * KS + c
@@ -235,7 +235,8 @@ def _kl_keys_kernel(
             for m in range(UNIT):
                 lo, hi = bucket_pairs(off_ptr, meta_ptr, gb * IPG + ug * UNIT + m, sc0, sc1, SUB)
                 for p0 in range(lo, hi, ROWS):
-                    flat, t, i, _, valid = pair_rows(pair_ptr, p0, hi, f0, HI, TOPK, 1, 1, ROWS)
+                    flat, t, i, _hl, valid = pair_rows(pair_ptr, p0, hi, f0, HI, TOPK, 1, 1,
+                                                       ROWS)
                     dz, kl, qi, on, rr = _kl_tile(kt, kit, krow, kmask, t, i, valid, q_ptr,
                                                   lse_ptr, qi_ptr, lsez_ptr, qpos_ptr, qkb_ptr,
                                                   s_qt, s_qh, s_lt, s_it, s_ih, s_zt, scale,
@@ -272,7 +273,7 @@ def _kl_keys_kernel(
             for a in range(a_lo, a_hi):
                 t = a * ROWS + r
                 rows = row_filter(t < Tq, t, i, full_ptr, HI, FULL)
-                dz, _, qi, on, _ = _kl_tile(kt, kit, krow, kmask, t, i, rows, q_ptr, lse_ptr,
+                dz, _kl, qi, on, _reach = _kl_tile(kt, kit, krow, kmask, t, i, rows, q_ptr, lse_ptr,
                                             qi_ptr, lsez_ptr, qpos_ptr, qkb_ptr, s_qt, s_qh, s_lt,
                                             s_it, s_ih, s_zt, scale, iscale, HPI, D, DI, UPCAST,
                                             IEEE)

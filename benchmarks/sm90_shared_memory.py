@@ -138,8 +138,9 @@ def compile_launches(launches, names=None) -> int:
         # H200 asked for 256 KiB).
         attrs = {(i,): [["tt.divisibility", 16]] for i in (rest[1] if len(rest) > 1 else ())}
         fn = getattr(importlib.import_module(module), name)
-        shown = {k: v for k, v in constants.items() if k in ("HR", "TOK", "D", "DI", "BN", "KS",
-                                                             "SPARSE", "FULL", "TOPK", "ISO")}
+        shown = {k: v for k, v in constants.items() if k in ("HR", "TOK", "ROWS", "D", "DI", "BN",
+                                                             "KS", "SPARSE", "FULL", "TOPK",
+                                                             "ISO")}
         shown["dtype"] = next((v for k, v in signature.items() if k in ("q_ptr", "qi_ptr")), "")
         try:
             options = dict(num_warps=warps)

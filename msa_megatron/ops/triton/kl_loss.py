@@ -70,11 +70,11 @@ def _kl_tile(kt, kit, krow, kmask, t, i, valid, q_ptr, lse_ptr, qi_ptr, lsez_ptr
     di = tl.arange(0, DI)
     on = support_mask(krow, kmask, kbase, pos, valid)
     teacher = tl.zeros(on.shape, tl.float32)
+    q_rows = q_ptr + (t64 * s_qt + (i * HPI).to(tl.int64) * s_qh)  # the pair's first head
+    lse_rows = lse_ptr + (t64 * s_lt + i * HPI)
     for hl in range(HPI):
-        h = i * HPI + hl
-        q = tl.load(q_ptr + t64[:, None] * s_qt + h[:, None] * s_qh + d[None, :],
-                    mask=valid[:, None], other=0.0)
-        lse = tl.load(lse_ptr + t64 * s_lt + h, mask=valid, other=float("inf"))
+        q = tl.load(q_rows[:, None] + hl * s_qh + d[None, :], mask=valid[:, None], other=0.0)
+        lse = tl.load(lse_rows + hl, mask=valid, other=float("inf"))
         s = mma(q, tl.trans(kt), UPCAST, IEEE) * scale - lse[:, None]
         teacher += tl.where(on, tl.exp(s), 0.0)
     teacher = teacher / HPI

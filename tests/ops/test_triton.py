@@ -318,23 +318,52 @@ def test_kl_matches_reference(case, dense):
     assert rel_err(dk_idx, want_dk) < 2 * TOL[dtype]
 
 
-def test_kl_is_deterministic(monkeypatch):
-    """Two sparse KL calls (16 query chunks, key sub-tiles) give bitwise equal values and index
-    gradients: partials are summed in a fixed order, no atomics."""
+def _sparse_kl_many_tiles(monkeypatch, dtype):
+    """Inputs whose sparse KL pass walks 4 query chunks, key sub-tiles of 16 rows and several
+    16-pair row tiles per selected block: ``(q, k, lse, q_idx, k_idx, block_idx, q_pos,
+    q_kbase)`` (block 32, 2 of up to 5 blocks selected: most rows are sparse)."""
     from msa_megatron.ops.triton import _common, kl_loss
 
     monkeypatch.setattr(_common, "PARTIAL_QS", 0)
-    monkeypatch.setattr(_common, "PARTIAL_MIN_BYTES", 1)
+    monkeypatch.setattr(_common, "PARTIAL_MIN_BYTES", 40000)  # of ~121 KB of partials
     monkeypatch.setattr(kl_loss, "KEY_SUBTILE", 16)
-    q, k, v, q_pos, q_kbase = _attention_inputs([45, 3, 30], 8, 2, 2, 16, torch.float16, False)
-    q_idx = _randn(q.shape[0], 2, 16, dtype=torch.float16).requires_grad_()
-    k_idx = _randn(k.shape[0], 1, 16, dtype=torch.float16).requires_grad_()
+    monkeypatch.setattr(kl_loss, "KL_ROWS", 16)
+    q, k, v, q_pos, q_kbase = _attention_inputs([150, 3, 0, 70], 8, 2, 2, 16, dtype, False)
+    q_idx = _randn(q.shape[0], 2, 16, dtype=dtype)
+    k_idx = _randn(k.shape[0], 1, 16, dtype=dtype)
     block_idx = _random_selection(q.shape[0], 2, 2, q_pos, 32)
-    backend = _triton()
-    _, lse = backend.attention(q, k, v, block_idx, q_pos, q_kbase, block_size=32)
+    own = q_pos.long() // 32
+    assert ((block_idx >= 0).sum(2) < (own + 1)[:, None]).sum() > 100  # rows of the sparse pass
+    _, lse = _triton().attention(q, k, v, block_idx, q_pos, q_kbase, block_size=32)
+    return q, k, lse, q_idx, k_idx, block_idx, q_pos, q_kbase
+
+
+def test_kl_many_row_tiles_match_reference(monkeypatch):
+    """The sparse KL with a block's pairs spread over several row tiles, chunks and key
+    sub-tiles: value and both index gradients against the float64 oracle."""
+    q, k, lse, q_idx, k_idx, block_idx, q_pos, q_kbase = _sparse_kl_many_tiles(monkeypatch,
+                                                                               torch.float32)
+    q_idx, k_idx = q_idx.requires_grad_(), k_idx.requires_grad_()
+    value = _triton().kl(q, k, lse, q_idx, k_idx, block_idx, q_pos, q_kbase, block_size=32)
+    dq_idx, dk_idx = torch.autograd.grad(value, (q_idx, k_idx))
+    qi64, ki64 = (x.detach().double().requires_grad_() for x in (q_idx, k_idx))
+    want = ref.kl_core_reference(q.double(), k.double(), qi64, ki64, block_idx, q_pos, q_kbase,
+                                 block_size=32)
+    want_dq, want_dk = torch.autograd.grad(want, (qi64, ki64))
+    assert abs(value.item() - want.item()) <= 1e-4 * abs(want.item())
+    assert rel_err(dq_idx, want_dq) < 2 * TOL[torch.float32]
+    assert rel_err(dk_idx, want_dk) < 2 * TOL[torch.float32]
+
+
+def test_kl_is_deterministic(monkeypatch):
+    """Two sparse KL calls give bitwise equal values and index gradients (partials are summed
+    in a fixed order, no atomics)."""
+    q, k, lse, q_idx, k_idx, block_idx, q_pos, q_kbase = _sparse_kl_many_tiles(monkeypatch,
+                                                                               torch.float16)
+    q_idx, k_idx = q_idx.requires_grad_(), k_idx.requires_grad_()
     runs = []
     for _ in range(2):
-        value = backend.kl(q, k, lse, q_idx, k_idx, block_idx, q_pos, q_kbase, block_size=32)
+        value = _triton().kl(q, k, lse, q_idx, k_idx, block_idx, q_pos, q_kbase, block_size=32)
         runs.append((value, *torch.autograd.grad(value, (q_idx, k_idx))))
     for a, b in zip(*runs):
         assert torch.equal(a, b)

@@ -1111,6 +1111,10 @@ def check_settings(args: argparse.Namespace, world_size: int) -> List[str]:
                       "every query would attend to its whole causal row")
     if args.heads < 1 or args.hidden % args.heads:
         errors.append(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
+    elif args.index_head_dim < args.hidden // args.heads:
+        errors.append(f"--index-head-dim {args.index_head_dim} is smaller than the RoPE dims "
+                      f"(head dim {args.hidden // args.heads} = --hidden / --heads): the index "
+                      "branch gets the layer's RoPE, which rotates every head dim")
     if args.query_groups < 1 or args.heads % args.query_groups:
         errors.append(f"--heads {args.heads} must be a multiple of --query-groups "
                       f"{args.query_groups}")

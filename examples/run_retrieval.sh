@@ -34,6 +34,9 @@ PYTHON=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 mkdir -p "$OUT"
+# The report reads every $OUT/*/metrics.json: drop those of an earlier run into the same OUT, so
+# that a variant not run (or failed) this time cannot show its old numbers.
+rm -f "$OUT"/*/metrics.json "$OUT"/retrieval.json "$OUT"/retrieval.md "$OUT"/retrieval.png
 status=0
 COMMON=(--task retrieval --device "$DEVICE" --seq-len "$LEN" --warmup-steps "$WARMUP"
         --top-k "$TOPK" --block-size "$BLOCK" --layers 4 --hidden 256 --ffn-hidden 704
@@ -49,7 +52,7 @@ if [ "${PARALLEL:-0}" = 1 ]; then
         >"$OUT/dense.log" 2>&1 &
     first=$!
     until grep -q "saved the warm-up" "$OUT/dense.log" 2>/dev/null; do
-        kill -0 "$first" 2>/dev/null || { wait "$first"; echo "warm-up failed: $OUT/dense.log"; exit 1; }
+        kill -0 "$first" 2>/dev/null || { wait "$first" || true; echo "warm-up failed: $OUT/dense.log" >&2; exit 1; }
         sleep 5
     done
     pids=("$first")

@@ -322,6 +322,8 @@ def apply_rope(t: torch.Tensor, freqs: Optional[torch.Tensor], config: Transform
     )
 
     mscale = _yarn_get_concentration_factor_from_config(config)
+    if cu_seqlens is not None and (t.is_meta or cu_seqlens.is_meta):
+        return torch.empty_like(t)  # shape inference: RoPE keeps shape and dtype (no values)
     if cu_seqlens is None or config.apply_rope_fusion:
         return apply_rotary_pos_emb(t, freqs, config=config, cu_seqlens=cu_seqlens,
                                     mscale=mscale, cp_group=cp_group)
@@ -329,8 +331,18 @@ def apply_rope(t: torch.Tensor, freqs: Optional[torch.Tensor], config: Transform
         from megatron.core import parallel_state
 
         cp_group = parallel_state.get_context_parallel_group()
-    packed = freqs.dim() >= 1 and freqs.size(0) == int(cu_seqlens[-1])
-    rows = thd_rope_positions(cu_seqlens, t.size(0), cp_group.size(), cp_group.rank(), packed)
+    cp_size = cp_group.size()
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    if cp_size > 1 and bool((lengths % (2 * cp_size) != 0).any()):
+        raise ValueError(f"THD RoPE under CP {cp_size}: every sequence length must be divisible "
+                         f"by 2 * CP = {2 * cp_size} (megatron-core's load-balanced layout); "
+                         f"cu_seqlens {cu_seqlens.tolist()}")
+    total = int(cu_seqlens[-1])
+    if t.size(0) * cp_size != total:
+        raise ValueError(f"THD RoPE: t has {t.size(0)} rows on this rank but cu_seqlens[-1] / CP = "
+                         f"{total} / {cp_size}")
+    packed = freqs.dim() >= 1 and freqs.size(0) == total
+    rows = thd_rope_positions(cu_seqlens, t.size(0), cp_size, cp_group.rank(), packed)
     return apply_rotary_pos_emb(t.unsqueeze(1), freqs[rows], config=config, cu_seqlens=None,
                                 mscale=mscale, cp_group=cp_group).squeeze(1)
 

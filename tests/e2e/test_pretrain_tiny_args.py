@@ -57,6 +57,7 @@ def test_default_and_quick_settings_are_valid(tiny):
     (["--steps", "10", "--warmup-steps", "20"], 1, "--warmup-steps 20"),
     (["--lr-warmup", "-1"], 1, "--lr-warmup -1"),
     (["--heads", "3"], 1, "multiple of --heads 3"),
+    (["--index-head-dim", "16"], 1, "--index-head-dim 16 is smaller than the RoPE dims"),
 ])
 def test_bad_layouts_and_sizes_are_named(tiny, argv, world, needle):
     errors = _errors(tiny, ["--device", "cpu", *argv], world)

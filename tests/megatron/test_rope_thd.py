@@ -73,3 +73,22 @@ def test_bshd_and_no_freqs_unchanged():
     assert torch.equal(apply_rope(t, freqs, config, None, _Group(1, 0)),
                        apply_rotary_pos_emb(t, freqs, config=config, cp_group=_Group(1, 0)))
     assert apply_rope(t, None, config, None, None) is t
+
+
+@pytest.mark.parametrize("lens,cp_size,rows", [([6, 4], 2, 5), ([8, 6], 2, 7), ([8, 4], 4, 3),
+                                               ([8, 4], 1, 11)])
+def test_thd_rope_refuses_what_megatron_core_cannot_lay_out(lens, cp_size, rows):
+    """Lengths not divisible by 2 * CP, or rows that are not cu_seqlens[-1] / CP: a clear
+    ValueError, never rotations read from the wrong table rows."""
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lens), 0)
+    t = torch.randn(rows, 2, 16)
+    with pytest.raises(ValueError, match="THD RoPE"):
+        apply_rope(t, _freqs(2048, 16), _config(), cu, _Group(cp_size, 0))
+
+
+def test_thd_rope_on_meta_tensors_infers_the_shape():
+    cu = torch.tensor([0, 8, 12], dtype=torch.int32, device="meta")
+    t = torch.empty(12, 2, 16, device="meta", dtype=torch.bfloat16)
+    out = apply_rope(t, _freqs(16, 16).to("meta"), _config(), cu, _Group(1, 0))
+    assert out.is_meta and out.shape == t.shape and out.dtype == t.dtype

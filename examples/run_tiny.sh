@@ -88,6 +88,16 @@ case $DEVICE in
     cpu|cuda) ;;
     *) echo "$SELF: DEVICE=$DEVICE must be cpu or cuda" >&2; exit 2 ;;
 esac
+if [ "$DEVICE" = cuda ]; then  # before any install: the CUDA torch build is several GB
+    gpus=0
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        gpus=$(nvidia-smi --list-gpus 2>/dev/null | grep -c '^GPU [0-9]' || true)
+    fi
+    if [ "$gpus" -eq 0 ]; then
+        echo "$SELF: DEVICE=cuda but nvidia-smi lists no NVIDIA GPU; use DEVICE=cpu" >&2
+        exit 2
+    fi
+fi
 
 # Layout and sizes are checked in one process, before torchrun starts any.
 check() {

@@ -134,7 +134,7 @@ fi
 MSA_GPT_ARGS+=($TOKENIZER_ARGS)
 
 # GPUS_PER_NODE for the launchers (processes per node): the environment's value, else the GPUs
-# `nvidia-smi --list-gpus` lists. These launchers need NVIDIA GPUs (the CPU route is
+# `nvidia-smi --list-gpus` lists (at most as many as CUDA_VISIBLE_DEVICES names, when it is set). These launchers need NVIDIA GPUs (the CPU route is
 # examples/run_tiny.sh); without any, one line on stderr and status 2, before torchrun starts.
 # Usage: msa_gpus_per_node LAUNCHER_NAME || exit $?
 msa_gpus_per_node() {
@@ -153,6 +153,18 @@ msa_gpus_per_node() {
     fi
     listing=$(nvidia-smi --list-gpus 2>&1) || true
     GPUS_PER_NODE=$(printf '%s\n' "$listing" | grep -c '^GPU [0-9]' || true)
+    if [ "${CUDA_VISIBLE_DEVICES+set}" = set ] && [ "$GPUS_PER_NODE" -gt 0 ]; then
+        # CUDA sees only the listed devices (one process per visible GPU); an empty value hides all
+        local visible=0 id ids
+        IFS=, read -ra ids <<< "$CUDA_VISIBLE_DEVICES"
+        for id in "${ids[@]}"; do [ -n "${id// /}" ] && visible=$((visible + 1)); done
+        [ "$visible" -lt "$GPUS_PER_NODE" ] && GPUS_PER_NODE=$visible
+        if [ "$GPUS_PER_NODE" -eq 0 ]; then
+            echo "$launcher: no GPU visible (CUDA_VISIBLE_DEVICES='$CUDA_VISIBLE_DEVICES'); this" \
+                 "launcher needs NVIDIA GPUs" >&2
+            return 2
+        fi
+    fi
     if [ "$GPUS_PER_NODE" -eq 0 ]; then
         listing=$(printf '%s\n' "$listing" | head -n 1)
         echo "$launcher: no GPU found (nvidia-smi --list-gpus: ${listing:-no output}); this" \

@@ -129,6 +129,7 @@ def test_run_tiny_check_only_with_a_real_interpreter(sandbox, tmp_path):
     ({"NPROC": "6"}, "NPROC=6 must be a multiple of TP x CP = 2 x 2 = 4"),
     ({"TP": "0"}, "TP=0 must be a positive integer"),
     ({"DEVICE": "gpu"}, "DEVICE=gpu must be cpu or cuda"),
+    ({"DEVICE": "cuda"}, "DEVICE=cuda but nvidia-smi lists no NVIDIA GPU"),
 ])
 @pytest.mark.parametrize("mode", [[], ["--check-only"]])
 def test_run_tiny_bad_layout_is_one_line_before_anything(sandbox, setting, message, mode):
@@ -195,3 +196,19 @@ def test_slurm_script_outside_slurm_says_so(sandbox, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "not inside a Slurm job" in lines[0], proc.stderr
     assert not [c for c in _calls(log) if c.startswith("torchrun")]
+
+
+@pytest.mark.parametrize("visible,want", [("0", 1), ("1,3", 2), ("0,1,2,3,4,5,6,7,8", 8), ("", 0)])
+def test_megatron_launchers_count_only_visible_gpus(sandbox, tmp_path, visible, want):
+    env, log = sandbox
+    listing = "\n".join(f"GPU {i}: NVIDIA H200 (UUID: GPU-{i})" for i in range(8))
+    _stub(tmp_path / "stubs" / "nvidia-smi", log, output=listing)
+    env = dict(env, OUT_DIR=str(tmp_path / "out"), CUDA_VISIBLE_DEVICES=visible)
+    proc = _run(KIT / "train_single_node.sh", env, cwd=tmp_path)
+    if want == 0:
+        assert proc.returncode == 2 and "no GPU visible" in proc.stderr, proc.stderr
+        assert not [c for c in _calls(log) if c.startswith("torchrun")]
+        return
+    assert proc.returncode == 0, proc.stderr
+    (launch,) = [c for c in _calls(log) if c.startswith("torchrun")]
+    assert f"--nproc-per-node {want} " in launch

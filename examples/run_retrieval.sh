@@ -38,8 +38,8 @@ mkdir -p "$OUT"
 # that a variant not run (or failed) this time cannot show its old numbers.
 rm -f "$OUT"/*/metrics.json "$OUT"/retrieval.json "$OUT"/retrieval.md "$OUT"/retrieval.png
 status=0
-COMMON=(--task retrieval --device "$DEVICE" --seq-len "$LEN" --warmup-steps "$WARMUP"
-        --top-k "$TOPK" --block-size "$BLOCK" --layers 4 --hidden 256 --ffn-hidden 704
+COMMON=(--task retrieval --device "$DEVICE" --seq-len "$LEN" --steps "$STEPS"
+        --warmup-steps "$WARMUP" --top-k "$TOPK" --block-size "$BLOCK" --layers 4 --hidden 256 --ffn-hidden 704
         --heads 4 --query-groups 2 --index-head-dim 64 --lr 2e-3 --lr-warmup 50
         --log-interval 50 --eval-interval 100 --eval-windows 2)
 if [ "${PARALLEL:-0}" = 1 ]; then
@@ -48,7 +48,7 @@ if [ "${PARALLEL:-0}" = 1 ]; then
     # process, side by side. The report reads $OUT/<variant>/metrics.json.
     port=${MASTER_PORT:-$((20000 + RANDOM % 20000))}
     MASTER_PORT=$port "$PYTHON" examples/pretrain_tiny.py "${COMMON[@]}" --runs dense \
-        --steps "$STEPS" --save-warmup "$OUT/warmup" --out-dir "$OUT/dense" "$@" \
+        --save-warmup "$OUT/warmup" --out-dir "$OUT/dense" "$@" \
         >"$OUT/dense.log" 2>&1 &
     first=$!
     until grep -q "saved the warm-up" "$OUT/dense.log" 2>/dev/null; do
@@ -60,7 +60,7 @@ if [ "${PARALLEL:-0}" = 1 ]; then
         [ "$run" = dense ] && continue
         port=$((port + 1))
         MASTER_PORT=$port "$PYTHON" examples/pretrain_tiny.py "${COMMON[@]}" --runs "$run" \
-            --steps "$STEPS" --load-warmup "$OUT/warmup" --out-dir "$OUT/$run" "$@" \
+            --load-warmup "$OUT/warmup" --out-dir "$OUT/$run" "$@" \
             >"$OUT/$run.log" 2>&1 &
         pids+=($!)
     done
@@ -68,7 +68,7 @@ if [ "${PARALLEL:-0}" = 1 ]; then
     for run in ${RUNS//,/ }; do grep -v -i warn "$OUT/$run.log" | tail -3; done
 else
     MASTER_PORT=${MASTER_PORT:-$((20000 + RANDOM % 20000))} "$PYTHON" examples/pretrain_tiny.py \
-        "${COMMON[@]}" --runs "$RUNS" --steps "$STEPS" --out-dir "$OUT/variants" "$@" \
+        "${COMMON[@]}" --runs "$RUNS" --out-dir "$OUT/variants" "$@" \
         >"$OUT/variants.log" 2>&1 || status=$?
     grep -v -i warn "$OUT/variants.log" | tail -12
 fi

@@ -111,7 +111,7 @@ def selection_recall(
     T, Hq, D = q.shape
     Hkv, Hi = k.shape[1], q_idx.shape[1]
     meta = [name for name, t in (("q", q), ("k", k), ("q_idx", q_idx), ("k_idx", k_idx),
-                                 ("rows", rows)) if t.device.type == "meta"]
+                                 ("rows", rows)) if t.is_meta]
     if meta:
         raise ValueError(f"selection_recall measures values, and {', '.join(meta)} "
                          "on the meta device have none")

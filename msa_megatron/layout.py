@@ -77,7 +77,7 @@ def real_token_rows(cu_seqlens_padded: torch.Tensor, cu_seqlens_real: Optional[t
             f"the real (unpadded) cu_seqlens has shape {list(cu_seqlens_real.shape)} but the "
             f"padded cu_seqlens has shape {list(cu_seqlens_padded.shape)}"
         )
-    if q_pos.device.type == "meta":  # shape inference: R depends on the values
+    if q_pos.is_meta:  # shape inference: R depends on the values
         return None
     real = torch.diff(cu_seqlens_real.to(device=q_pos.device, dtype=torch.int64))
     padded = torch.diff(cu_seqlens_padded.to(device=q_pos.device, dtype=torch.int64))

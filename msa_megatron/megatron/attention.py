@@ -390,7 +390,7 @@ class MSACoreAttention(MegatronModule):
                           if cp_size == 1 else sbhd_cu_seqlens(batch, seq_len * cp_size, q.device))
         # N of the KL normaliser: the real tokens of the micro-batch over all CP ranks.
         # (Meta tensors have no values: their KL, a meta tensor, does not depend on this.)
-        tokens_global = (q.shape[0] * cp_size if cu_real is None or cu_real.device.type == "meta"
+        tokens_global = (q.shape[0] * cp_size if cu_real is None or cu_real.is_meta
                          else int(cu_real[-1] - cu_real[0]))
         stats = None
         if cp_size > 1 and self.training:

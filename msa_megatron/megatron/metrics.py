@@ -51,7 +51,7 @@ class _MetricTracker:
         self.weights: Dict[int, torch.Tensor] = {}
 
     def record(self, layer_number: int, kl: torch.Tensor, weight: float) -> None:
-        if kl.device.type == "meta":  # a shape-inference forward has no value to record
+        if kl.is_meta:  # a shape-inference forward has no value to record
             return
         value = kl.detach().float()
         if layer_number not in self.values:

@@ -64,11 +64,6 @@ def check_same_dtype_device(named: dict) -> None:
             )
 
 
-def is_meta(t: object) -> bool:
-    """True for a tensor on the meta device (shape and dtype only, no values)."""
-    return isinstance(t, torch.Tensor) and t.device.type == "meta"
-
-
 def check_cu_seqlens(cu_seqlens: Optional[torch.Tensor], total: int, device: torch.device) -> None:
     """Validate packed-sequence boundaries (MSA_SPEC section 1).
 
@@ -93,7 +88,7 @@ def check_cu_seqlens(cu_seqlens: Optional[torch.Tensor], total: int, device: tor
         raise ValueError(f"cu_seqlens must be 1-D with >= 1 entry, got shape {_shape(cu_seqlens)}")
     if cu_seqlens.device != device:
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but the inputs are on {device}")
-    if is_meta(cu_seqlens):  # no values to check: shape inference only
+    if cu_seqlens.is_meta:  # no values to check: shape inference only
         return
     if torch.compiler.is_compiling():
         # The eager checks below read the tensor on the host, which torch.compile cannot trace

@@ -7,7 +7,9 @@
 #   PHASE=variants  msa / random / local / dense from that warm-up, four processes side by side,
 #                   then examples/retrieval_report.py (table, JSON, plots under $OUT)
 # Both phases must use the same WARMUP and STEPS (the learning-rate schedule depends on --steps).
-# LANE_S caps each process (default 480 s). Example (device tool, one H200):
+# LANE_S caps each process (default 480 s). TAG names a second warm-up of the same length
+# (runs/r$LEN_TASK$TAG). Variants spread over the visible GPUs (process i on GPU i mod count).
+# Example (device tool, one H200):
 #   run(carry=[".whl"], command="PHASE=warmup WARMUP=3000 STEPS=4000 bash benchmarks/gpu_retrieval_fused.sh")
 #   run(carry=[".whl", "runs/r8192/warmup"], command="PHASE=variants WARMUP=3000 STEPS=4000 bash benchmarks/gpu_retrieval_fused.sh")
 set -u
@@ -15,7 +17,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 . benchmarks/gpu_env.sh
 LEN_TASK=${LEN_TASK:-8192}; WARMUP=${WARMUP:-3000}; STEPS=${STEPS:-4000}; TOPK=${TOPK:-8}
 WINDOW=${WINDOW:-16384}; S=${LANE_S:-480}
-R=runs/r$LEN_TASK
+R=runs/r$LEN_TASK${TAG:-}
 C="--task retrieval --record-format fused --seq-len $WINDOW --task-len $LEN_TASK --task-len-min 64
    --task-curriculum $((WARMUP / 3)) --task-question-every 8 --pairs 32 --queries 32 --key-vocab 32
    --value-vocab 32 --min-distance $((LEN_TASK / 4)) --answer-weight 64 --layers 4 --hidden 256
@@ -24,15 +26,20 @@ C="--task retrieval --record-format fused --seq-len $WINDOW --task-len $LEN_TASK
    --log-interval 100 --eval-interval 250 --probe-interval 250 --eval-windows 2"
 mkdir -p "$R"
 if [ "${PHASE:-warmup}" = warmup ]; then
-    MASTER_PORT=29651 timeout "$S" python3 examples/pretrain_tiny.py $C --runs dense \
+    MASTER_PORT=${WARMUP_PORT:-29651} timeout "$S" python3 examples/pretrain_tiny.py $C --runs dense \
         --save-warmup "$R/warmup" --out-dir "$R/dense" > "$R/dense.log" 2>&1
     echo "exit $?"; grep -v -i warn "$R/dense.log" | grep "exact match\|saved\|step .*00/" | tail -n 25
     mkdir -p "$OUT/$R"; cp -r "$R/warmup" "$OUT/$R/" 2>/dev/null
 else
     port=29660
+    gpus=$(python3 -c "import torch; print(max(torch.cuda.device_count(), 1))")
+    visible=(${CUDA_VISIBLE_DEVICES:+${CUDA_VISIBLE_DEVICES//,/ }})
+    i=0
     for run in msa random local dense; do
         port=$((port + 1))
-        MASTER_PORT=$port timeout "$S" python3 examples/pretrain_tiny.py $C --runs "$run" \
+        gpu=$((i % gpus)); i=$((i + 1))
+        [ ${#visible[@]} -gt 0 ] && gpu=${visible[$gpu]}
+        CUDA_VISIBLE_DEVICES=$gpu MASTER_PORT=$port timeout "$S" python3 examples/pretrain_tiny.py $C --runs "$run" \
             --load-warmup "$R/warmup" --out-dir "$R/$run" > "$R/$run.log" 2>&1 &
     done
     wait
@@ -41,4 +48,4 @@ else
     done
     python3 examples/retrieval_report.py "$R" && cp "$R"/retrieval.* "$OUT/"
 fi
-tar czf "$OUT/retrieval_fused_${PHASE:-warmup}.tgz" "$R"/*.log "$R"/*/metrics.json 2>/dev/null
+tar czf "$OUT/retrieval_fused_${PHASE:-warmup}${TAG:-}.tgz" "$R"/*.log "$R"/*/metrics.json 2>/dev/null

@@ -311,14 +311,31 @@ def run_distributed(
     parallel = None if tp is None else {"tp": tp, "pp": pp, "cp": cp}
     method = start_method(device)
     try:
-        return _run_ranks(fn, world_size, args, kwargs, parallel, device, timeout_s, method)
+        return _run_ranks_on_free_port(fn, world_size, args, kwargs, parallel, device,
+                                       timeout_s, method)
     except DistributedTestError as error:
         if method != "forkserver" or device != "cuda" \
                 or not any(text in str(error) for text in _CUDA_FORK_ERRORS):
             raise
     # The fork server had initialised CUDA (an import did): spawn from now on.
     _forkserver_failed = True
-    return _run_ranks(fn, world_size, args, kwargs, parallel, device, timeout_s, "spawn")
+    return _run_ranks_on_free_port(fn, world_size, args, kwargs, parallel, device, timeout_s,
+                                   "spawn")
+
+
+def _run_ranks_on_free_port(*args: Any, attempts: int = 3) -> List[Any]:
+    """:func:`_run_ranks`, again on a fresh port when another process took the chosen one.
+
+    :func:`free_port` can only say that a port was free a moment ago; test processes running side
+    by side (``benchmarks/gpu_tests.py``) sometimes take it before rank 0 listens on it.
+    """
+    for attempt in range(attempts):
+        try:
+            return _run_ranks(*args)
+        except DistributedTestError as error:
+            if "EADDRINUSE" not in str(error) or attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _run_ranks(fn: Callable, world_size: int, args: Sequence, kwargs: Optional[dict],
@@ -326,7 +343,7 @@ def _run_ranks(fn: Callable, world_size: int, args: Sequence, kwargs: Optional[d
     """Start ``world_size`` ranks with ``method``, wait for them, return their results."""
     ctx = _context(method)
     environ = None if method == "fork" else dict(os.environ)
-    port = free_port()
+    port = free_port()  # taken meanwhile by another process: _run_ranks_on_free_port retries
     with tempfile.TemporaryDirectory(prefix="msa_dist_") as result_dir:
         procs = [
             ctx.Process(target=_rank_main, args=(rank, world_size, port, fn, tuple(args),

@@ -96,3 +96,31 @@ def test_fork_server_started_early_only_when_used(monkeypatch):
     monkeypatch.delenv(dist_utils.START_ENV)
     dist_utils.start_fork_server()
     assert started == [True]
+
+
+def _rank_ok(rank: int, world_size: int) -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size()
+
+
+def test_port_taken_by_another_process_is_retried(monkeypatch):
+    """free_port's port can be taken before rank 0 listens on it: the ranks start again."""
+    import socket
+
+    busy = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    taken = busy.getsockname()[1]
+    ports = [taken]
+    real_free_port = dist_utils.free_port
+    monkeypatch.setattr(dist_utils, "free_port",
+                        lambda: ports.pop() if ports else real_free_port())
+    try:
+        assert run_distributed(_rank_ok, 2, device="cpu") == [2, 2]
+        assert ports == []  # the taken port was handed out first
+        ports.extend([taken] * 3)  # taken on every attempt: the error is reported, not hidden
+        with pytest.raises(DistributedTestError, match="EADDRINUSE"):
+            run_distributed(_rank_ok, 2, device="cpu")
+    finally:
+        busy.close()

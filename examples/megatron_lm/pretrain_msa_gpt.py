@@ -51,7 +51,7 @@ from megatron.core import parallel_state
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.enums import ModelType
-from megatron.core.utils import get_attr_wrapped_model, get_batch_on_this_cp_rank, get_model_config
+from megatron.core.utils import get_attr_wrapped_model, get_model_config
 from megatron.training import get_args, get_tokenizer, pretrain, print_rank_0
 from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
 from megatron.training.utils import (get_blend_and_blend_per_split,
@@ -62,6 +62,7 @@ from msa_gpt_setup import (MSAMetricsLog, adapt_to_installed_kernels, add_msa_ar
                            msa_config_from_args, msa_flops_delta, msa_mode_at, notice)
 from msa_megatron.megatron import (arm_selection_probe, get_gpt_layer_msa_spec, get_msa_metrics,
                                    set_msa_mode)
+from msa_megatron.megatron.compat import get_batch_on_this_cp_rank
 
 _current_mode: Optional[str] = None
 _metrics_log: Optional[MSAMetricsLog] = None
@@ -83,8 +84,7 @@ def get_batch(data_iterator, vp_stage: Optional[int] = None) -> Dict[str, Option
     sample = next(data_iterator)
     batch = {key: sample[key].cuda(non_blocking=True) for key in empty}
     batch["cu_seqlens"] = None  # fixed windows: per-sequence load balancing
-    return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False,
-                                     cp_group=parallel_state.get_context_parallel_group())
+    return get_batch_on_this_cp_rank(batch, cp_group=parallel_state.get_context_parallel_group())
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor

@@ -15,6 +15,8 @@ What differs and how it is handled:
 - Megatron-LM's ``--spec <module> <name>``: on 0.16 the named object must be a ``ModuleSpec``;
   0.19 builders may call it with the ``TransformerConfig``.
   :class:`~msa_megatron.megatron.spec.MSALayerSpec` is both.
+- ``megatron.core.utils.get_batch_on_this_cp_rank`` gained a required ``is_hybrid_cp`` argument
+  in 0.19 (0.16 has none): :func:`get_batch_on_this_cp_rank` calls either with plain CP.
 - The Transformer Engine / local layer sets are taken from megatron-core's own GPT layer specs,
   called with keyword arguments only (their positional order changed in 0.19).
 
@@ -166,3 +168,33 @@ def with_tp_group_linears(spec: Any) -> Any:
         if new is not value:
             changes[field.name] = new
     return dataclasses.replace(spec, **changes) if changes else spec
+
+
+def get_batch_on_this_cp_rank(batch: dict, cp_group: Any = None) -> dict:
+    """megatron-core's per-sequence CP split of an SBHD batch, on every supported version.
+
+    Args:
+        batch: ``{name: tensor [b, s, ...] or None}``; tensors are split along dim 1 into
+            ``2 * cp`` chunks, this rank keeping chunks ``r`` and ``2 * cp - 1 - r``.
+        cp_group: the context-parallel group (default: megatron-core's).
+
+    Returns:
+        The batch with this rank's share (megatron-core's result, unchanged).
+
+    Source: ``megatron.core.utils.get_batch_on_this_cp_rank``; from 0.19 on it takes
+    ``is_hybrid_cp`` (hybrid CP is not used by MSA layers: always ``False``).
+    """
+    from megatron.core import utils as mcore_utils
+
+    fn = mcore_utils.get_batch_on_this_cp_rank
+    if "is_hybrid_cp" in _parameters(fn):
+        return fn(batch, is_hybrid_cp=False, cp_group=cp_group)
+    return fn(batch, cp_group=cp_group)
+
+
+@functools.lru_cache(maxsize=None)
+def _parameters(fn: Callable) -> tuple:
+    """Names of ``fn``'s parameters (cached: signatures do not change within a process)."""
+    import inspect
+
+    return tuple(inspect.signature(fn).parameters)

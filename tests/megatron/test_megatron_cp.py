@@ -143,7 +143,7 @@ THD_LENGTHS = [72, 0, 136, 40]  # multiples of 2*CP (8), documents crossing chun
 def _split_worker(rank: int, world_size: int) -> bool:
     """Our THD split equals megatron-core's get_batch_on_this_cp_rank applied per sequence."""
     from megatron.core import parallel_state
-    from megatron.core.utils import get_batch_on_this_cp_rank
+    from msa_megatron.megatron.compat import get_batch_on_this_cp_rank
 
     from msa_megatron.parallel.cp_layout import split_for_cp_rank
 

@@ -73,7 +73,7 @@ def _build(setup: Setup, tp: int, cp: int):
 def _cp_batch(step: int, fmt: str, cp_group):
     """This CP rank's share of the step's global batch (tokens = labels, positions, packing)."""
     from megatron.core.packed_seq_params import PackedSeqParams
-    from megatron.core.utils import get_batch_on_this_cp_rank
+    from msa_megatron.megatron.compat import get_batch_on_this_cp_rank
 
     device = selected_device()
     gen = torch.Generator().manual_seed(100 + step)

@@ -26,6 +26,7 @@ gloo on CPU, NCCL on CUDA (``--device``). ``examples/run_tiny.sh`` creates a ven
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
@@ -68,6 +69,7 @@ from msa_megatron.megatron import (
     set_msa_mode,
 )
 from msa_megatron.megatron.index import reduce_index_grads_over_tp
+from msa_megatron.parallel.tensor import index_head_layout
 
 import retrieval_task  # noqa: E402  (examples/retrieval_task.py, beside this script)
 
@@ -178,29 +180,145 @@ def take_retrieval_windows(files: Sequence[Path], args: argparse.Namespace, coun
     ``--task-curriculum N`` too, the longest length of window ``i`` (training step
     ``i // data-parallel size``) grows from ``--task-len-min`` to ``--task-len`` over N steps
     (:func:`retrieval_task.curriculum_length`). Windows are generated in order when first
-    indexed (:class:`LazyWindows`): a run that stops early never builds the rest."""
-    return LazyWindows(_retrieval_windows(files, args, count, seed, mixed), count)
+    indexed (:class:`LazyWindows`): a run that stops early never builds the rest, and a resumed
+    run restarts the generator where a saved state left it (:meth:`LazyWindows.resume`)."""
+    return LazyWindows(RetrievalWindowStream(files, args, count, seed, mixed), count)
 
 
-def _retrieval_windows(files: Sequence[Path], args: argparse.Namespace, count: int, seed: int,
-                       mixed: bool) -> Iterator[Window]:
-    """The windows of :func:`take_retrieval_windows`, one by one."""
-    spec = retrieval_task.spec_from_args(args)
-    rng = random.Random(seed)
-    filler = retrieval_task.filler_stream(iter_documents(files))
-    shortest = args.task_len_min if mixed and args.task_len_min else spec.length
-    curriculum = getattr(args, "task_curriculum", 0) if shortest < spec.length else 0
-    per_step = max(1, count // max(args.steps, 1)) if mixed else 1
-    for i in range(count):
-        longest = (retrieval_task.curriculum_length(i // per_step, curriculum, shortest,
-                                                    spec.length, PAD_MULTIPLE)
-                   if curriculum else spec.length)
-        lengths = ([spec.length] * (args.seq_len // spec.length) if shortest == spec.length else
-                   retrieval_task.mixed_lengths(args.seq_len, shortest, longest,
-                                                PAD_MULTIPLE, rng))
+class FillerCursor:
+    """The bytes of the non-empty ``files``, cycled forever, one int at a time (the same
+    sequence as ``retrieval_task.filler_stream(iter_documents(files))``), with a position that
+    :meth:`state` returns and :meth:`restore` puts back: ``(file counter, byte offset)``."""
+
+    def __init__(self, files: Sequence[Path]):
+        if not files:
+            raise ValueError("no Python files found in the standard library directory")
+        self._files = list(files)
+        self._counter = -1  # files opened so far, minus one (counting every cycle)
+        self._data = b""
+        self._offset = 0
+
+    def __iter__(self) -> "FillerCursor":
+        return self
+
+    def __next__(self) -> int:
+        while self._offset >= len(self._data):
+            self._open(self._counter + 1, 0)
+        byte = self._data[self._offset]
+        self._offset += 1
+        return byte
+
+    def take(self, count: int) -> List[int]:
+        """The next ``count`` bytes (fewer only if every file is empty: then ValueError)."""
+        out: List[int] = []
+        while len(out) < count:
+            if self._offset >= len(self._data):
+                self._open(self._counter + 1, 0)
+            piece = self._data[self._offset:self._offset + count - len(out)]
+            out.extend(piece)
+            self._offset += len(piece)
+        return out
+
+    def _open(self, counter: int, offset: int) -> None:
+        empty = 0
+        while True:  # empty files hold no bytes: skip them (a list of only empty files fails)
+            data = self._files[counter % len(self._files)].read_bytes()
+            if data or offset:
+                break
+            counter, empty = counter + 1, empty + 1
+            if empty > len(self._files):
+                raise ValueError("every filler file is empty")
+        self._counter, self._data, self._offset = counter, data, offset
+
+    def state(self) -> Tuple[int, int]:
+        """``(file counter, byte offset)``: where the next byte comes from."""
+        return self._counter, self._offset
+
+    def restore(self, state: Sequence[int]) -> None:
+        """Continue from a :meth:`state` of a cursor over the same files."""
+        counter, offset = int(state[0]), int(state[1])
+        if counter < 0:
+            self._counter, self._data, self._offset = -1, b"", 0
+        else:
+            self._open(counter, offset)
+
+
+class RetrievalWindowStream:
+    """The windows of :func:`take_retrieval_windows`, one per ``next()``; its generator state
+    (window number, Python RNG state, filler position) can be saved (:meth:`state`) and put
+    back (:meth:`restore`), so a resumed run reads exactly the windows it would have read."""
+
+    def __init__(self, files: Sequence[Path], args: argparse.Namespace, count: int, seed: int,
+                 mixed: bool):
+        self.args, self.count = args, count
+        self.spec = retrieval_task.spec_from_args(args)
+        self.rng = random.Random(seed)
+        self.filler = FillerCursor(files)
+        self.shortest = args.task_len_min if mixed and args.task_len_min else self.spec.length
+        self.curriculum = (getattr(args, "task_curriculum", 0)
+                           if self.shortest < self.spec.length else 0)
+        self.per_step = max(1, count // max(args.steps, 1)) if mixed else 1
+        self.index = 0  # number of the next window
+        # Gated curriculum (--task-curriculum-gate): the longest length of the warm-up's windows
+        # grows only when the training answer loss says the current lengths are learned.
+        self.gate = getattr(args, "task_curriculum_gate", 0.0) if self.curriculum == 0 else 0.0
+        self.gate = self.gate if mixed and self.shortest < self.spec.length else 0.0
+        self.gated_longest = self.shortest
+        self.recent: List[float] = []  # answer losses since the last growth
+
+    def __iter__(self) -> "RetrievalWindowStream":
+        return self
+
+    def state(self) -> Dict[str, object]:
+        """Everything the next window depends on (plain Python values, ``torch.save``-able)."""
+        version, internal, gauss = self.rng.getstate()
+        return {"index": self.index, "rng": [version, list(internal), gauss],
+                "filler": list(self.filler.state()), "gated_longest": self.gated_longest,
+                "recent": list(self.recent)}
+
+    def restore(self, state: Dict[str, object]) -> None:
+        """Continue from :meth:`state` of a stream with the same files, settings and seed."""
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+        self.filler.restore(state["filler"])
+        self.index = int(state["index"])
+        self.gated_longest = int(state.get("gated_longest", self.shortest))
+        self.recent = [float(v) for v in state.get("recent", [])]
+
+    def observe(self, step: int, answer_loss: float) -> Optional[int]:
+        """Gated curriculum: take the training answer loss of warm-up ``step`` (the same value
+        on every rank). When the mean of the last ``--task-curriculum-span`` steps since the
+        longest length last grew is below ``--task-curriculum-gate``, the longest length of
+        the following windows doubles (up to ``--task-len``). Returns the new longest length
+        when it grew, else None. After the warm-up every window has the full range of lengths
+        (the variants train on the same data, whatever their losses)."""
+        if not self.gate or step >= self.args.warmup_steps or \
+                self.gated_longest >= self.spec.length:
+            return None
+        span = max(1, getattr(self.args, "task_curriculum_span", 50))
+        self.recent = (self.recent + [answer_loss])[-span:]
+        if len(self.recent) < span or sum(self.recent) / span >= self.gate:
+            return None
+        self.gated_longest = min(self.spec.length,
+                                 self.gated_longest * 2 // PAD_MULTIPLE * PAD_MULTIPLE)
+        self.recent = []
+        return self.gated_longest
+
+    def __next__(self) -> Window:
+        if self.index >= self.count:
+            raise StopIteration
+        spec, args, i = self.spec, self.args, self.index
+        longest = (retrieval_task.curriculum_length(i // self.per_step, self.curriculum,
+                                                    self.shortest, spec.length, PAD_MULTIPLE)
+                   if self.curriculum else spec.length)
+        if self.gate and i // self.per_step < args.warmup_steps:
+            longest = self.gated_longest
+        lengths = ([spec.length] * (args.seq_len // spec.length) if self.shortest == spec.length
+                   else retrieval_task.mixed_lengths(args.seq_len, self.shortest, longest,
+                                                     PAD_MULTIPLE, self.rng))
         parts = [retrieval_task.make_sequence(
-            retrieval_task.scaled(spec, n, getattr(args, "task_question_every", 16)), filler,
-            rng) for n in lengths]
+            retrieval_task.scaled(spec, n, getattr(args, "task_question_every", 16)),
+            self.filler, self.rng) for n in lengths]
         answers = Answers([], [], [], [])
         offset = 0
         for length, part in zip(lengths, parts):
@@ -212,15 +330,18 @@ def _retrieval_windows(files: Sequence[Path], args: argparse.Namespace, count: i
                                          for first, last in part.record_span)
             answers.value_set_chance.extend([part.value_set_chance] * len(part.record_span))
             offset += length
-        yield Window(torch.cat([p.tokens for p in parts]), lengths, lengths, answers)
+        self.index += 1
+        return Window(torch.cat([p.tokens for p in parts]), lengths, lengths, answers)
 
 
 class LazyWindows(Sequence):
     """A read-only list of ``count`` windows drawn from ``stream`` in order on first access
-    (and kept: the variants of one run train on the same windows)."""
+    (and kept: the variants of one run train on the same windows). After :meth:`resume` the
+    windows before the resumed position are gone (indexing them raises IndexError)."""
 
     def __init__(self, stream: Iterator[Window], count: int):
         self._stream, self._count, self._built = stream, count, []
+        self._first = 0  # index of self._built[0]
 
     def __len__(self) -> int:
         return self._count
@@ -230,11 +351,41 @@ class LazyWindows(Sequence):
             return [self[i] for i in range(*index.indices(self._count))]
         if index < 0:
             index += self._count
-        if not 0 <= index < self._count:
-            raise IndexError(f"window {index} of {self._count}")
-        while len(self._built) <= index:
+        if not self._first <= index < self._count:
+            raise IndexError(f"window {index} of {self._count}"
+                             + (f" (resumed at {self._first})" if self._first else ""))
+        while self._first + len(self._built) <= index:
             self._built.append(next(self._stream))
-        return self._built[index]
+        return self._built[index - self._first]
+
+    def state_at(self, index: int) -> Optional[Dict[str, object]]:
+        """The stream's state before window ``index`` (None when the stream cannot save one).
+        Builds the windows up to ``index``; raises ValueError when more were built already."""
+        if not hasattr(self._stream, "state"):
+            return None
+        if self._first + len(self._built) > index:
+            raise ValueError(f"window {index} was built already; its state is gone")
+        if index > 0:
+            self[index - 1]
+        return self._stream.state()
+
+    def observe(self, step: int, answer_loss: float) -> Optional[int]:
+        """Pass a training step's answer loss to the stream (gated curriculum; see
+        :meth:`RetrievalWindowStream.observe`); None when nothing changed."""
+        observe = getattr(self._stream, "observe", None)
+        return observe(step, answer_loss) if observe is not None else None
+
+    def resume(self, index: int, state: Optional[Dict[str, object]]) -> None:
+        """Continue at window ``index`` from a :meth:`state_at` ``state`` (None: build and drop
+        the windows before ``index``, the slow way to the same place)."""
+        if state is not None and hasattr(self._stream, "restore"):
+            if int(state["index"]) != index:
+                raise ValueError(f"stream state of window {state['index']}, not {index}")
+            self._stream.restore(state)
+        else:
+            for _ in range(index - self._first - len(self._built)):
+                next(self._stream)
+        self._built, self._first = [], index
 
 
 @dataclass
@@ -414,9 +565,12 @@ class History:
     recall_per_layer: List[List[float]] = field(default_factory=list)
     recall_answer_per_layer: List[List[float]] = field(default_factory=list)
     key_hit_per_layer: List[List[float]] = field(default_factory=list)
+    # record block chosen per probed step, per layer and index head: [step][layer][head]
+    key_hit_per_head: List[List[List[float]]] = field(default_factory=list)
     retrieval: Optional[Dict[str, object]] = None  # held-out retrieval metrics
     eval_steps: List[int] = field(default_factory=list)  # retrieval: --eval-interval
     eval_exact_match: List[float] = field(default_factory=list)
+    curriculum: List[List[int]] = field(default_factory=list)  # gated: [step, longest length]
 
 
 def layer_kls(metrics: Dict[str, float]) -> List[float]:
@@ -530,14 +684,27 @@ def arm_probe(model: GPTModel, window: Window, batch: Batch, args: argparse.Name
 
 
 def summarize_probe(probe, uniform_count: int, questions: torch.Tensor, window: Window,
-                    device: torch.device) -> Dict[str, List[float]]:
+                    device: torch.device, num_index_heads: int = 0) -> Dict[str, list]:
     """Per-layer recall over uniform rows, recall over the answer rows and the share of (question,
-    index head) whose selection holds the asked record's block: pooled over every rank's
-    (row, index head) samples (a collective over the world; under CP the ranks hold different
-    rows, under TP different heads). ``questions``: from :func:`arm_probe`."""
+    index head) whose selection holds the asked record's block ("record block chosen"), pooled
+    over every rank's (row, index head) samples (a collective over the world; under CP the ranks
+    hold different rows, under TP different heads). ``questions``: from :func:`arm_probe`.
+
+    "Record block chosen" also comes per index head: ``key_hit_per_head[layer][head]`` over the
+    layer's ``num_index_heads`` (Hi of the whole layer; 0: this rank's count, right without TP),
+    each TP rank's heads at their global numbers (``index_head_layout``); a head with no answer
+    row sampled reads 0. Returns ``{"recall", "recall_answer", "key_hit": [L] floats,
+    "key_hit_per_head": [L][Hi] floats}``."""
     layers = sorted(probe.samples)
     # rows: recall, answer-row recall, record block chosen; sums then counts
     stats = torch.zeros(6, len(layers), dtype=torch.float64, device=device)
+    local_heads = (int(probe.samples[layers[0]].block_idx.shape[1])
+                   if layers and probe.samples[layers[0]].block_idx.dim() == 3 else 1)
+    heads = num_index_heads or local_heads
+    first, _, _ = (index_head_layout(heads, parallel_state.get_tensor_model_parallel_world_size(),
+                                     parallel_state.get_tensor_model_parallel_rank())
+                   if heads != local_heads else (0, local_heads, 1))
+    per_head = torch.zeros(2, len(layers), heads, dtype=torch.float64, device=device)
     for j, layer in enumerate(layers):
         sample = probe.samples[layer]
         uniform = sample.recall[:uniform_count].double()
@@ -545,16 +712,30 @@ def summarize_probe(probe, uniform_count: int, questions: torch.Tensor, window: 
         if window.answers is not None and questions.numel():
             answer = sample.recall[uniform_count:].double()
             stats[1, j], stats[4, j] = float(answer.sum()), answer.numel()
-            chosen = sample.block_idx[uniform_count:].to(torch.int64)  # [Q, Hi, k]
+            chosen = sample.block_idx[uniform_count:].to(torch.int64)  # [Q, Hi_local, k]
             spans = torch.tensor(window.answers.record_blocks, dtype=torch.int64)[questions]
             spans = spans.to(chosen.device)
             inside = (chosen >= spans[:, None, None, 0]) & (chosen <= spans[:, None, None, 1])
-            hit = inside.any(dim=-1)
+            hit = inside.any(dim=-1)  # [Q, Hi_local]
             stats[2, j], stats[5, j] = float(hit.double().sum()), hit.numel()
+            per_head[0, j, first:first + hit.shape[1]] = hit.double().sum(0).to(device)
+            per_head[1, j, first:first + hit.shape[1]] = hit.shape[0]
     dist.all_reduce(stats)
+    dist.all_reduce(per_head)
     means = stats[:3] / stats[3:].clamp(min=1)
     return {"recall": means[0].tolist(), "recall_answer": means[1].tolist(),
-            "key_hit": means[2].tolist()}
+            "key_hit": means[2].tolist(),
+            "key_hit_per_head": (per_head[0] / per_head[1].clamp(min=1)).tolist()}
+
+
+def per_head_text(values: Sequence[Sequence[float]]) -> str:
+    """``[layer][head]`` shares as text: heads of a layer side by side, layers split by ``|``."""
+    return " | ".join(" ".join(f"{v:.2f}" for v in layer) for layer in values)
+
+
+def index_heads_of(args: argparse.Namespace) -> int:
+    """Index heads of a whole layer (Hi) for these settings."""
+    return msa_config(args).resolved_index_heads(args.query_groups)
 
 
 def set_top_k(model: GPTModel, top_k: int) -> None:
@@ -586,14 +767,19 @@ def run_variants(args: argparse.Namespace, device: torch.device, train_windows: 
     set_kl_loss_scale(1.0 / dp_size)
     set_msa_mode(model, "dense")
     model.train()
-    if args.load_warmup is not None:
-        warmup = load_warmup(args, model, optimizer)
-    else:
-        warmup = History("warmup")
-        train_steps(warmup, model, optimizer, args, device, range(args.warmup_steps), "dense",
-                    train_windows, eval_windows)
+    warmup, done = History("warmup"), 0
+    if args.load_warmup is not None or args.resume_warmup is not None:
+        warmup, done = load_warmup(args, model, optimizer, train_windows)
+    if done < args.warmup_steps:  # a fresh warm-up, or the rest of a resumed one
+        stop = min(args.warmup_steps, args.warmup_until or args.warmup_steps)
+        deadline = (time.perf_counter() + args.warmup_seconds
+                    if args.warmup_seconds is not None else None)
+        done = train_steps(warmup, model, optimizer, args, device, range(done, stop), "dense",
+                           train_windows, eval_windows, deadline)
         if args.save_warmup is not None:
-            save_warmup(args, model, optimizer, warmup)
+            save_warmup(args, model, optimizer, warmup, done, train_windows)
+    if args.warmup_until is not None or args.warmup_seconds is not None:
+        return []  # one link of a chained warm-up: saved, no variants
     snapshot = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
     histories = []
     for name in args.runs:
@@ -625,9 +811,12 @@ WARMUP_KEYS = ("tp", "cp", "seq_len", "layers", "hidden", "ffn_hidden", "heads",
                "block_size", "index_head_dim", "index_heads", "index_key_heads", "rotary_base",
                "softmax_scale", "index_scale", "kl_coeff", "lr", "lr_warmup", "clip_grad",
                "seed", "dtype", "task", "task_len", "task_len_min", "task_curriculum",
-               "task_question_every", "pairs", "queries", "key_vocab", "value_vocab",
-               "record_format", "min_distance", "answer_weight", "warmup_steps", "backend",
-               "vocab_size", "steps")  # --steps: the learning-rate schedule depends on it
+               "task_curriculum_gate", "task_curriculum_span", "task_question_every", "pairs",
+               "queries", "key_vocab", "value_vocab", "record_format", "min_distance",
+               "answer_weight", "warmup_steps", "backend", "vocab_size",
+               "steps")  # --steps: the learning-rate schedule depends on it
+# (Not here, free to differ between the links of a chained warm-up: --warmup-until,
+# --warmup-seconds, --runs, logging, evaluation and output flags.)
 
 
 def _warmup_file(directory: Path) -> Path:
@@ -635,46 +824,76 @@ def _warmup_file(directory: Path) -> Path:
 
 
 def save_warmup(args: argparse.Namespace, model: GPTModel, optimizer: torch.optim.Optimizer,
-                warmup: "History") -> None:
-    """Write this rank's model and optimizer state, the warm-up history and the settings of
-    :data:`WARMUP_KEYS` to ``--save-warmup`` (one file per rank)."""
+                warmup: "History", step: int, train_windows: Sequence[Window]) -> None:
+    """Write this rank's model and optimizer state, the warm-up history, the settings of
+    :data:`WARMUP_KEYS`, the number of warm-up steps done (``step``; fewer than
+    ``--warmup-steps`` for one link of a chained warm-up) and the training-data generator's
+    state before window ``step x DP`` (retrieval task; the text windows are a plain list) to
+    ``--save-warmup`` (one file per rank; written to a temporary name first, then renamed)."""
+    dp_size = parallel_state.get_data_parallel_world_size()
+    data = (train_windows.state_at(step * dp_size)
+            if isinstance(train_windows, LazyWindows) else None)
     args.save_warmup.mkdir(parents=True, exist_ok=True)
+    path = _warmup_file(args.save_warmup)
+    partial = path.with_name(path.name + ".tmp")
     torch.save({"settings": {k: getattr(args, k, None) for k in WARMUP_KEYS},
                 "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "history": dataclasses.asdict(warmup)}, _warmup_file(args.save_warmup))
+                "history": dataclasses.asdict(warmup), "step": step, "data": data}, partial)
+    partial.replace(path)
     dist.barrier()
     if dist.get_rank() == 0:
-        print(f"saved the warm-up (step {args.warmup_steps}) to {args.save_warmup}", flush=True)
+        what = ("the warm-up" if step >= args.warmup_steps else
+                f"a partial warm-up (continue it with --resume-warmup {args.save_warmup})")
+        print(f"saved {what} (step {step} of {args.warmup_steps}) to {args.save_warmup}",
+              flush=True)
 
 
-def load_warmup(args: argparse.Namespace, model: GPTModel,
-                optimizer: torch.optim.Optimizer) -> "History":
-    """Load what :func:`save_warmup` wrote into ``model`` and ``optimizer``; returns the warm-up
-    history. Raises ValueError when the file is missing or a setting of :data:`WARMUP_KEYS`
-    differs (the variants would not continue the same run)."""
-    path = _warmup_file(args.load_warmup)
+def load_warmup(args: argparse.Namespace, model: GPTModel, optimizer: torch.optim.Optimizer,
+                train_windows: Optional[Sequence[Window]] = None) -> Tuple["History", int]:
+    """Load what :func:`save_warmup` wrote (``--load-warmup`` or ``--resume-warmup``) into
+    ``model`` and ``optimizer``, and move ``train_windows`` (a :class:`LazyWindows`) to the
+    saved step's window without rebuilding the earlier ones. Returns ``(history, step)``: the
+    warm-up history and the number of warm-up steps it holds.
+
+    Raises ValueError when the file is missing, a setting of :data:`WARMUP_KEYS` differs (the
+    run would not continue the same one), or ``--load-warmup`` names a partial warm-up (one
+    link of a chained warm-up: continue it with ``--resume-warmup``)."""
+    directory = args.load_warmup if args.load_warmup is not None else args.resume_warmup
+    flag = "--load-warmup" if args.load_warmup is not None else "--resume-warmup"
+    path = _warmup_file(directory)
     if not path.is_file():
-        raise ValueError(f"--load-warmup {args.load_warmup}: no {path.name} (saved with another "
+        raise ValueError(f"{flag} {directory}: no {path.name} (saved with another "
                          f"world size, or not a --save-warmup directory)")
     state = torch.load(path, map_location="cpu", weights_only=True)
     differ = {k: (v, getattr(args, k, None)) for k, v in state["settings"].items()
               if v != getattr(args, k, None)}
     if differ:
-        raise ValueError(f"--load-warmup {args.load_warmup} was saved with other settings "
+        raise ValueError(f"{flag} {directory} was saved with other settings "
                          "(saved, now): " + ", ".join(f"{k}={a!r}/{b!r}"
                                                        for k, (a, b) in sorted(differ.items())))
+    step = int(state.get("step", args.warmup_steps))  # older saves: complete warm-ups only
+    if step < args.warmup_steps and args.load_warmup is not None:
+        raise ValueError(f"--load-warmup {directory} holds a partial warm-up (step {step} of "
+                         f"{args.warmup_steps}): continue it with --resume-warmup {directory}")
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
+    if isinstance(train_windows, LazyWindows):
+        dp_size = parallel_state.get_data_parallel_world_size()
+        train_windows.resume(step * dp_size, state.get("data"))
     if dist.get_rank() == 0:
-        print(f"loaded the warm-up (step {args.warmup_steps}) from {args.load_warmup}", flush=True)
-    return History(**state["history"])
+        print(f"loaded the warm-up (step {step} of {args.warmup_steps}) from {directory}",
+              flush=True)
+    return History(**state["history"]), step
 
 
 def train_steps(history: History, model: GPTModel, optimizer: torch.optim.Optimizer,
                 args: argparse.Namespace, device: torch.device, steps: range, mode: str,
-                train_windows: List[Window], eval_windows: List[Window]) -> None:
+                train_windows: Sequence[Window], eval_windows: Sequence[Window],
+                deadline: Optional[float] = None) -> int:
     """Train ``steps`` (global step numbers, for the data order and the learning rate) in
-    ``mode``, appending to ``history`` on rank 0."""
+    ``mode``, appending to ``history`` on rank 0. With ``deadline`` (a ``time.perf_counter()``
+    value), stop after the first step that ends past it (every rank stops at the same step).
+    Returns the number of the next step (``steps.stop`` when all ran)."""
     name = history.name
     dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     dp_group = parallel_state.get_data_parallel_group()
@@ -684,10 +903,18 @@ def train_steps(history: History, model: GPTModel, optimizer: torch.optim.Optimi
     is_logger = dist.get_rank() == 0
     autocast = args.dtype == "bf16"
     start = time.perf_counter()
+    next_step = steps.start
     for step in steps:
+        if deadline is not None and step > steps.start:
+            late = torch.tensor([float(time.perf_counter() > deadline)], device=device)
+            dist.all_reduce(late, op=dist.ReduceOp.MAX)  # every rank stops at the same step
+            if late.item():
+                break
+        next_step = step + 1
         step_start = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, args)
+        train_windows[step * dp_size + dp_size - 1]  # all of the step's windows, built now
         window = train_windows[step * dp_size + dp_rank]
         batch = make_batch(window, cp_group, args.block_size, args.top_k, device,
                            args.answer_weight)
@@ -704,7 +931,11 @@ def train_steps(history: History, model: GPTModel, optimizer: torch.optim.Optimi
                                answer_share], dtype=torch.float64, device=device)
         dist.all_reduce(logged, group=dp_cp_group)  # loss: sum of shares; fraction: mean below
         kl_per_layer = layer_kls(get_msa_metrics())  # collective: every rank calls it
-        probed = summarize_probe(*probe, window, device) if probe is not None else None
+        grown = (train_windows.observe(step, float(logged[2]) / dp_size)
+                 if isinstance(train_windows, LazyWindows) and window.answers is not None
+                 else None)
+        probed = (summarize_probe(*probe, window, device, index_heads_of(args))
+                  if probe is not None else None)
         accuracy = None
         if (window.answers is not None and args.eval_interval > 0
                 and (step + 1) % args.eval_interval == 0):
@@ -721,6 +952,10 @@ def train_steps(history: History, model: GPTModel, optimizer: torch.optim.Optimi
             history.kl.append(sum(kl_per_layer) / len(kl_per_layer))
             history.mode.append(mode)
             history.tokens_per_s.append(args.seq_len * dp_size / elapsed)
+            if grown is not None:
+                history.curriculum.append([step + 1, grown])
+                print(f"[{name}] step {step + 1:4d} curriculum: longest training sequence now "
+                      f"{grown} tokens", flush=True)
             if accuracy is not None:
                 history.eval_steps.append(step + 1)
                 history.eval_exact_match.append(accuracy)
@@ -729,14 +964,16 @@ def train_steps(history: History, model: GPTModel, optimizer: torch.optim.Optimi
             if probed is not None:
                 history.probe_steps.append(step + 1)
                 for key, values in probed.items():
-                    getattr(history, f"{key}_per_layer").append(values)
+                    field_name = key if key.endswith("_per_head") else f"{key}_per_layer"
+                    getattr(history, field_name).append(values)
             if (step + 1) % args.log_interval == 0 or step == 0 or step + 1 == args.steps:
                 extra = ""
                 if history.probe_steps and history.probe_steps[-1] == step + 1:
                     extra = f"  recall {mean(history.recall_per_layer[-1]):.3f}"
                     if window.answers is not None:
                         extra += (f" (answers {mean(history.recall_answer_per_layer[-1]):.3f},"
-                                  f" record block chosen {mean(history.key_hit_per_layer[-1]):.2f})")
+                                  f" record block chosen {mean(history.key_hit_per_layer[-1]):.2f}"
+                                  f" [layer | head: {per_head_text(history.key_hit_per_head[-1])}])")
                 if history.answer_loss:
                     recent = history.answer_loss[-args.log_interval:]
                     extra = f"  answer loss {mean(recent):.3f} (mean of {len(recent)})" + extra
@@ -746,6 +983,7 @@ def train_steps(history: History, model: GPTModel, optimizer: torch.optim.Optimi
                       f"blocks {history.attended_fraction[-1]:.2f}{extra}  "
                       f"{history.tokens_per_s[-1]:,.0f} tok/s", flush=True)
     history.seconds += time.perf_counter() - start
+    return next_step
 
 
 def finish(history: History, model: GPTModel, args: argparse.Namespace, device: torch.device,
@@ -767,7 +1005,8 @@ def finish(history: History, model: GPTModel, args: argparse.Namespace, device: 
                   f"({retrieval['questions']} questions; value-set guess "
                   f"{retrieval['value_set_chance']:.3f}), answer loss "
                   f"{retrieval['answer_loss']:.4f}, record block chosen "
-                  f"{retrieval.get('key_hit', float('nan')):.2f}", flush=True)
+                  f"{retrieval.get('key_hit', float('nan')):.2f} (per layer | index head: "
+                  f"{per_head_text(retrieval.get('key_hit_per_head', []))})", flush=True)
 
 
 def mean(values: Sequence[float]) -> float:
@@ -813,7 +1052,10 @@ def evaluate_retrieval(model: GPTModel, windows: List[Window], args: argparse.Na
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
             logits = model(batch.input_ids, batch.position_ids, None,
                            packed_seq_params=batch.packed_seq_params)
-        logits = gather_from_tensor_model_parallel_region(logits)[0].float()  # [S/CP, V]
+        with unittest.mock.patch.object(torch.cuda, "current_device", return_value="cpu") \
+                if device.type == "cpu" else contextlib.nullcontext():
+            # megatron-core's gather allocates on torch.cuda.current_device(): on CPU, the CPU
+            logits = gather_from_tensor_model_parallel_region(logits)[0].float()  # [S/CP, V]
         local = torch.full((window.tokens.numel(),), -1, dtype=torch.int64)
         local[batch.rows] = torch.arange(batch.rows.numel())
         rows = torch.tensor(window.answers.rows, dtype=torch.int64)
@@ -830,7 +1072,8 @@ def evaluate_retrieval(model: GPTModel, windows: List[Window], args: argparse.Na
         set_chance.extend(window.answers.value_set_chance)
         answers += rows.numel()
         if probe is not None:
-            probed = summarize_probe(*probe, window, device)
+            probed = summarize_probe(*probe, window, device, index_heads_of(args))
+            result["key_hit_per_head"] = probed.pop("key_hit_per_head")
             result.update({key: mean(values) for key, values in probed.items()})
             result.update({f"{key}_per_layer": values for key, values in probed.items()})
             uniform = probe[1]
@@ -928,12 +1171,15 @@ def plot(histories: List[History], path: Path, warmup_steps: int) -> None:
 def retrieval_table(histories: List[History]) -> str:
     """Markdown table of the held-out retrieval metrics of every run."""
     lines = ["| run | exact match | answer loss | recall | recall (answer rows) | "
-             "record block chosen | held-out LM loss |", "|---|---|---|---|---|---|---|"]
+             "record block chosen | per layer; index head | held-out LM loss |",
+             "|---|---|---|---|---|---|---|---|"]
     for h in histories:
         r = h.retrieval or {}
         cells = [f"{r[key]:.3f}" if isinstance(r.get(key), float) else "-"
                  for key in ("exact_match", "answer_loss", "recall", "recall_answer", "key_hit")]
-        lines.append(f"| {h.name} | " + " | ".join(cells) + f" | {h.held_out_loss:.3f} |")
+        heads = per_head_text(r.get("key_hit_per_head") or []).replace(" | ", "; ") or "-"
+        lines.append(f"| {h.name} | " + " | ".join(cells) + f" | {heads} | "
+                     f"{h.held_out_loss:.3f} |")
     return "\n".join(lines)
 
 
@@ -1010,6 +1256,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-warmup", type=Path, default=None,
                    help="skip the warm-up: start the variants from a --save-warmup directory "
                         "written by a run with the same model, data and warm-up settings")
+    p.add_argument("--resume-warmup", type=Path, default=None,
+                   help="continue the (partial) warm-up saved in this --save-warmup directory "
+                        "exactly where it stopped: model, optimizer, step, learning-rate "
+                        "schedule, data position and length curriculum (same settings); a "
+                        "complete one is loaded like --load-warmup")
+    p.add_argument("--warmup-until", type=int, default=None,
+                   help="chained warm-up: train the warm-up only up to this global step (at "
+                        "most --warmup-steps), save it to --save-warmup and exit without the "
+                        "variants")
+    p.add_argument("--warmup-seconds", type=float, default=None,
+                   help="chained warm-up: train the warm-up for at most this many seconds "
+                        "(stopping at a step boundary; start-up not counted), save it to "
+                        "--save-warmup and exit without the variants")
     p.add_argument("--task", choices=("text", "retrieval"), default="text",
                    help="text: next-byte prediction on stdlib sources; retrieval: key -> value "
                         "recall in long filler text (examples/retrieval_task.py)")
@@ -1071,6 +1330,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         if args.task_curriculum < 0 or (args.task_curriculum and args.task_len_min is None):
             p.error(f"--task-curriculum ({args.task_curriculum}) must be >= 0 and needs "
                     "--task-len-min")
+        if args.task_curriculum_gate < 0 or (args.task_curriculum_gate and (
+                args.task_len_min is None or args.task_curriculum)):
+            p.error(f"--task-curriculum-gate ({args.task_curriculum_gate}) must be >= 0 and "
+                    "needs --task-len-min, without --task-curriculum")
+        if args.task_curriculum_span < 1:
+            p.error(f"--task-curriculum-span ({args.task_curriculum_span}) must be >= 1")
         try:
             spec = retrieval_task.spec_from_args(args)
             spec.check()
@@ -1130,9 +1395,22 @@ def check_settings(args: argparse.Namespace, world_size: int) -> List[str]:
     if args.lr_warmup < 0:  # longer than --steps is allowed: the peak is then never reached
         errors.append(f"--lr-warmup {args.lr_warmup} must be >= 0")
     if args.save_warmup is not None and args.load_warmup is not None:
-        errors.append("--save-warmup and --load-warmup exclude each other")
-    if args.load_warmup is not None and not args.load_warmup.is_dir():
-        errors.append(f"--load-warmup {args.load_warmup} is not a directory")
+        errors.append("--save-warmup and --load-warmup exclude each other (continue a saved "
+                      "warm-up with --resume-warmup)")
+    if args.load_warmup is not None and args.resume_warmup is not None:
+        errors.append("--load-warmup and --resume-warmup exclude each other")
+    for flag, directory in (("--load-warmup", args.load_warmup),
+                            ("--resume-warmup", args.resume_warmup)):
+        if directory is not None and not directory.is_dir():
+            errors.append(f"{flag} {directory} is not a directory")
+    chained = [f for f, v in (("--warmup-until", args.warmup_until),
+                              ("--warmup-seconds", args.warmup_seconds)) if v is not None]
+    if chained and args.save_warmup is None:
+        errors.append(f"{' and '.join(chained)} need --save-warmup (where the warm-up goes)")
+    if args.warmup_until is not None and args.warmup_until < 1:
+        errors.append(f"--warmup-until {args.warmup_until} must be >= 1")
+    if args.warmup_seconds is not None and args.warmup_seconds <= 0:
+        errors.append(f"--warmup-seconds {args.warmup_seconds} must be > 0")
     if args.eval_windows < 1 or args.log_interval < 1:
         errors.append(f"--eval-windows {args.eval_windows} and --log-interval "
                       f"{args.log_interval} must be >= 1")
@@ -1238,7 +1516,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     histories = run_variants(args, device, train_windows, eval_windows, save)
 
-    if is_logger:
+    if is_logger and histories:
         plot(histories, args.out_dir / "pretrain_tiny.png", args.warmup_steps)
         print("held-out loss: " + ", ".join(f"{h.name} {h.held_out_loss:.4f}" for h in histories))
         if args.task == "retrieval":

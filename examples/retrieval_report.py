@@ -4,7 +4,8 @@
 
 Reads ``<dir>/<run>/metrics.json`` (written by ``examples/pretrain_tiny.py --task retrieval``)
 and writes ``<dir>/retrieval.json`` (every run's held-out retrieval metrics, curves and
-arguments), ``<dir>/retrieval.md`` (the comparison table) and ``<dir>/retrieval.png``
+arguments), ``<dir>/retrieval.md`` (the comparison table, and "record block chosen" per
+layer and index head) and ``<dir>/retrieval.png``
 (held-out exact match and selection recall over training, and where the selected blocks lie).
 """
 
@@ -56,6 +57,29 @@ def table(runs: Dict[str, Dict]) -> str:
         lines.append(f"| {LABELS.get(name, name)} | {cell('exact_match')} | "
                      f"{cell('answer_loss')} | {cell('recall')} | {cell('recall_answer')} | "
                      f"{cell('key_hit')} | {run['held_out_loss']:.3f} | {speed:,.0f} |")
+    return "\n".join(lines)
+
+
+def head_table(runs: Dict[str, Dict]) -> str:
+    """Markdown table of "record block chosen" (share of held-out answer rows whose selection
+    holds the asked record's block) per layer and index head: one column per (layer, head),
+    then the best head of each layer. Empty when no run has the per-head values."""
+    found = {name: (run.get("retrieval") or {}).get("key_hit_per_head") for name, run in
+             runs.items()}
+    found = {name: value for name, value in found.items() if value}
+    if not found:
+        return ""
+    shape = [len(layer) for layer in next(iter(found.values()))]
+    columns = [f"L{layer + 1} h{head + 1}" for layer, count in enumerate(shape)
+               for head in range(count)]
+    best = [f"L{layer + 1} best" for layer in range(len(shape))]
+    lines = ["| run | " + " | ".join(columns + best) + " |",
+             "|---" * (1 + len(columns) + len(best)) + "|"]
+    for name, value in found.items():
+        cells = [f"{v:.3f}" for layer in value for v in layer]
+        cells += [f"{max(layer):.3f}" if layer else "-" for layer in value]
+        cells += ["-"] * (len(columns) + len(best) - len(cells))
+        lines.append(f"| {LABELS.get(name, name)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -114,7 +138,8 @@ def main(argv=None) -> int:
     runs = load_runs(args.directory)
     summary = {name: {key: run.get(key) for key in (
         "retrieval", "held_out_loss", "eval_steps", "eval_exact_match", "probe_steps",
-        "recall_per_layer", "recall_answer_per_layer", "key_hit_per_layer", "seconds",
+        "recall_per_layer", "recall_answer_per_layer", "key_hit_per_layer",
+        "key_hit_per_head", "seconds",
         "args")} for name, run in runs.items()}
     for name, run in runs.items():  # training answer loss, mean per 10 steps; step time
         losses, steps = run.get("answer_loss") or [], run.get("steps") or []
@@ -125,6 +150,10 @@ def main(argv=None) -> int:
         summary[name]["median_tokens_per_s"] = statistics.median(speeds) if speeds else None
     (args.directory / "retrieval.json").write_text(json.dumps(summary, indent=1))
     text = table(runs)
+    heads = head_table(runs)
+    if heads:
+        text += ("\n\nRecord block chosen per layer (L) and index head (h), held out:\n\n"
+                 + heads)
     (args.directory / "retrieval.md").write_text(text + "\n")
     plot(runs, args.directory / "retrieval.png")
     print(text)

@@ -120,12 +120,16 @@ def filler_stream(documents: Iterator[bytes]) -> Iterator[int]:
 
 
 def make_sequence(spec: RetrievalSpec, filler: Iterator[int], rng: random.Random) -> RetrievalSequence:
-    """Generate one sequence of ``spec.length`` tokens (see the module docstring)."""
+    """Generate one sequence of ``spec.length`` tokens (see the module docstring). ``filler``
+    hands out the filler bytes; one with a ``take(n)`` method (a list of the next ``n``) is
+    read through it, which is faster and gives the same bytes."""
     keys = rng.sample(range(spec.key_vocab), spec.pairs)
     value_base = BYTE_VOCAB + spec.key_vocab
     values = [[value_base + rng.randrange(spec.value_vocab) for _ in range(spec.value_len)]
               for _ in keys]
-    tokens = list(itertools.islice(filler, spec.length))
+    take = getattr(filler, "take", None)  # a cursor that hands out many bytes at once
+    tokens = take(spec.length) if take is not None else list(itertools.islice(filler,
+                                                                              spec.length))
     if len(tokens) < spec.length:
         raise ValueError(f"the filler ran out after {len(tokens)} of {spec.length} tokens")
     rl, ql = spec.record_len, spec.question_len
@@ -221,6 +225,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="with --task-len-min: the longest training sequence grows "
                             "geometrically from --task-len-min to --task-len over this many "
                             "steps (0: mixed lengths up to --task-len from the start)")
+    group.add_argument("--task-curriculum-gate", type=float, default=0.0,
+                       help="with --task-len-min, instead of --task-curriculum: the warm-up "
+                            "starts with sequences of --task-len-min tokens and doubles the "
+                            "longest length whenever the training answer loss (mean of the "
+                            "last --task-curriculum-span steps) is below this many nats; short "
+                            "sequences stay in the mix; after the warm-up, all lengths (0: off)")
+    group.add_argument("--task-curriculum-span", type=int, default=50,
+                       help="steps of training answer loss the gate averages")
     group.add_argument("--task-question-every", type=int, default=16,
                        help="mixed-length training: a sequence shorter than --task-len asks at "
                             "least one question per this many tokens (up to --queries)")

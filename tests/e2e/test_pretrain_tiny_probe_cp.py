@@ -33,12 +33,12 @@ RECALL_ATOL = 1e-5  # fp32, CP=2 reorders the attention sums
 pytestmark = pytest.mark.slow
 
 
-def _run(cp: int, out_dir: Path) -> Dict:
+def _run(cp: int, out_dir: Path, tp: int = 1) -> Dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={cp}", str(EXAMPLE), "--device", "cpu", "--cp", str(cp),
-           *TINY_RETRIEVAL, "--out-dir", str(out_dir)]
+           f"--nproc-per-node={cp * tp}", str(EXAMPLE), "--device", "cpu", "--cp", str(cp),
+           "--tp", str(tp), *TINY_RETRIEVAL, "--out-dir", str(out_dir)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads((out_dir / "metrics.json").read_text())["runs"][0]
@@ -47,11 +47,13 @@ def _run(cp: int, out_dir: Path) -> Dict:
 def test_answer_row_recall_under_cp_matches_one_rank(tmp_path):
     one, two = _run(1, tmp_path / "cp1"), _run(2, tmp_path / "cp2")
     assert two["probe_steps"] == one["probe_steps"] == [1, 2]
-    for key in ("recall_answer_per_layer", "key_hit_per_layer"):
+    for key in ("recall_answer_per_layer", "key_hit_per_layer", "key_hit_per_head"):
         for got, want in zip(two[key], one[key]):
-            assert got == pytest.approx(want, abs=RECALL_ATOL), key
-    for key in ("recall_answer", "key_hit"):
-        assert two["retrieval"][key] == pytest.approx(one["retrieval"][key], abs=RECALL_ATOL)
+            assert _flat(got) == pytest.approx(_flat(want), abs=RECALL_ATOL), key
+    for key in ("recall_answer", "key_hit", "key_hit_per_head"):
+        assert _flat(two["retrieval"][key]) == pytest.approx(_flat(one["retrieval"][key]),
+                                                             abs=RECALL_ATOL)
+    _check_per_head(one)
     for per_layer in two["recall_per_layer"]:
         assert all(0.0 < v <= 1.0 + 1e-6 and math.isfinite(v) for v in per_layer), per_layer
     assert 0.0 < two["recall_answer_per_layer"][0][0] < 1.0  # a measurement, not a default
@@ -60,3 +62,32 @@ def test_answer_row_recall_under_cp_matches_one_rank(tmp_path):
     # the uniform rows of both CP ranks are counted: each of the 16 rows per rank selects its
     # own block in both index heads
     assert all(h["own"] == 2 * 16 * 2 for h in histogram.values()), histogram
+
+
+def _flat(value) -> list:
+    """Nested lists of numbers as one flat list (pytest.approx takes no nesting)."""
+    return ([v for item in value for v in _flat(item)] if isinstance(value, list)
+            else [value])
+
+
+def _check_per_head(run: Dict) -> None:
+    """"record block chosen" per layer and index head: 2 layers x 2 index heads, shares whose
+    mean over the heads is the per-layer value (every head sees the same answer rows)."""
+    for per_head, per_layer in zip(run["key_hit_per_head"] + [run["retrieval"]["key_hit_per_head"]],
+                                   run["key_hit_per_layer"] + [run["retrieval"]["key_hit_per_layer"]]):
+        assert [len(layer) for layer in per_head] == [2, 2]
+        assert all(0.0 <= v <= 1.0 for layer in per_head for v in layer)
+        assert [sum(layer) / 2 for layer in per_head] == pytest.approx(per_layer, abs=1e-12)
+
+
+def test_record_block_chosen_per_index_head_under_tp_matches_one_rank(tmp_path):
+    """Under TP 2 each rank holds one of the two index heads: the per-head values land at the
+    heads' global numbers (head 2 is not left empty, nor written over head 1)."""
+    one, two = _run(1, tmp_path / "tp1"), _run(1, tmp_path / "tp2", tp=2)
+    _check_per_head(two)
+    assert _flat(two["key_hit_per_head"]) == pytest.approx(_flat(one["key_hit_per_head"]),
+                                                           abs=RECALL_ATOL)
+    assert _flat(two["retrieval"]["key_hit_per_head"]) == pytest.approx(
+        _flat(one["retrieval"]["key_hit_per_head"]), abs=RECALL_ATOL)
+    heads = [v for step in one["key_hit_per_head"] for layer in step for v in layer]
+    assert len(set(heads)) > 1  # not one value copied to every head

@@ -159,6 +159,140 @@ def test_variant_from_a_saved_warmup_continues_the_same_run(tmp_path):
     assert "lr=" in other.stderr and "steps=" in other.stderr  # --steps sets the lr schedule
 
 
+@pytest.mark.slow
+def test_chained_warmup_equals_an_uninterrupted_one(tmp_path):
+    """A warm-up split over three processes (--warmup-seconds, then --warmup-until, then the
+    rest with the variant) trains exactly the steps of an uninterrupted run: same losses
+    bitwise (CPU, fp32), through a length curriculum and mixed-length windows, so the model,
+    optimizer, learning-rate schedule, data position and curriculum all continue."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    common = [sys.executable, str(REPO / "examples" / "pretrain_tiny.py"), "--device", "cpu",
+              "--task", "retrieval", "--record-format", "fused", "--steps", "8",
+              "--warmup-steps", "6", "--seq-len", "512", "--task-len", "256",
+              "--task-len-min", "32", "--task-curriculum", "5", "--layers", "1",
+              "--hidden", "64", "--ffn-hidden", "128", "--heads", "2", "--query-groups", "2",
+              "--block-size", "16", "--top-k", "3", "--index-head-dim", "32", "--pairs", "8",
+              "--queries", "4", "--key-vocab", "8", "--min-distance", "64", "--eval-windows",
+              "1", "--eval-interval", "2", "--log-interval", "1", "--probe-interval", "0",
+              "--dtype", "fp32", "--lr-warmup", "2", "--runs", "dense"]
+    port = 29000 + random.randrange(800)
+
+    def run(*extra):
+        nonlocal port
+        port += 1
+        env["MASTER_PORT"] = str(port)
+        proc = subprocess.run(common + list(extra), cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=600)
+        return proc
+
+    whole = run("--save-warmup", str(tmp_path / "whole"), "--out-dir", str(tmp_path / "a"))
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
+    chain = tmp_path / "chain"
+    first = run("--save-warmup", str(chain), "--warmup-seconds", "1e-6", "--out-dir",
+                str(tmp_path / "b"))
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "step 1 of 6" in first.stdout and not (tmp_path / "b" / "metrics.json").exists()
+    partial = run("--runs", "dense", "--load-warmup", str(chain), "--out-dir",
+                  str(tmp_path / "x"))
+    assert partial.returncode != 0 and "--resume-warmup" in partial.stderr
+    second = run("--resume-warmup", str(chain), "--save-warmup", str(chain), "--warmup-until",
+                 "4", "--out-dir", str(tmp_path / "b"))
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "loaded the warm-up (step 1 of 6)" in second.stdout and "step 4 of 6" in second.stdout
+    last = run("--resume-warmup", str(chain), "--save-warmup", str(chain), "--out-dir",
+               str(tmp_path / "b"))
+    assert last.returncode == 0, last.stdout[-3000:] + last.stderr[-3000:]
+    a = json.loads((tmp_path / "a" / "metrics.json").read_text())["runs"][0]
+    b = json.loads((tmp_path / "b" / "metrics.json").read_text())["runs"][0]
+    assert a["steps"] == b["steps"] == list(range(1, 9))
+    assert b["loss"] == a["loss"] and b["answer_loss"] == a["answer_loss"]  # bitwise
+    assert b["eval_steps"] == a["eval_steps"] == [2, 4, 6, 8]
+    assert b["eval_exact_match"] == a["eval_exact_match"]
+    assert b["retrieval"] == a["retrieval"]
+    # the completed chain is a warm-up like any other: the variants start from it
+    variant = run("--runs", "random", "--load-warmup", str(chain), "--out-dir",
+                  str(tmp_path / "c"))
+    reference = run("--runs", "random", "--load-warmup", str(tmp_path / "whole"), "--out-dir",
+                    str(tmp_path / "d"))
+    assert variant.returncode == 0 and reference.returncode == 0, variant.stderr[-3000:]
+    c = json.loads((tmp_path / "c" / "metrics.json").read_text())["runs"][0]
+    d = json.loads((tmp_path / "d" / "metrics.json").read_text())["runs"][0]
+    assert c["loss"] == d["loss"] and c["loss"][6:] != a["loss"][6:]
+
+
+def test_window_stream_resumes_where_its_state_was_taken():
+    """The retrieval window generator restarts from a saved state (no earlier window built)
+    with exactly the windows it would have produced; the slow way (no state) agrees."""
+    import torch
+
+    tiny = _load_example()
+    try:
+        args = tiny.parse_args(["--device", "cpu", "--task", "retrieval", "--steps", "30",
+                                "--seq-len", "2048", "--task-len", "1024", "--task-len-min",
+                                "32", "--task-curriculum", "12", "--pairs", "16", "--queries",
+                                "16", "--key-vocab", "16", "--record-format", "fused",
+                                "--min-distance", "128", "--block-size", "32"])
+        files = tiny.split_files(tiny.stdlib_files(), args.seed)["train"][:6]  # cycles often
+        reference = tiny.take_retrieval_windows(files, args, 30, seed=7, mixed=True)
+        expected = [reference[i] for i in range(30)]
+        saver = tiny.take_retrieval_windows(files, args, 30, seed=7, mixed=True)
+        state = saver.state_at(17)
+        with pytest.raises(ValueError, match="built already"):
+            saver.state_at(3)
+        for how in (state, None):
+            resumed = tiny.take_retrieval_windows(files, args, 30, seed=7, mixed=True)
+            resumed.resume(17, how)
+            with pytest.raises(IndexError, match="resumed at 17"):
+                resumed[16]
+            for i in range(17, 30):
+                assert torch.equal(resumed[i].tokens, expected[i].tokens)
+                assert resumed[i].seq_lens == expected[i].seq_lens
+                assert resumed[i].answers == expected[i].answers
+        assert len({tuple(w.seq_lens) for w in expected[17:]}) > 1
+    finally:
+        sys.modules.pop("pretrain_tiny_retrieval_test", None)
+
+
+def test_gated_curriculum_grows_only_when_the_answers_are_learned():
+    """--task-curriculum-gate: the warm-up's longest length starts at --task-len-min and
+    doubles only after --task-curriculum-span steps of answer loss below the gate; the state
+    survives a save / restore; after the warm-up every window has the full range."""
+    tiny = _load_example()
+    try:
+        argv = ["--device", "cpu", "--task", "retrieval", "--steps", "40", "--warmup-steps",
+                "30", "--seq-len", "4096", "--task-len", "1024", "--task-len-min", "64",
+                "--task-curriculum-gate", "1.0", "--task-curriculum-span", "3", "--pairs", "32",
+                "--queries", "32", "--key-vocab", "32", "--record-format", "fused",
+                "--min-distance", "256", "--block-size", "32"]
+        args = tiny.parse_args(argv)
+        files = tiny.split_files(tiny.stdlib_files(), args.seed)["train"][:30]
+        windows = tiny.take_retrieval_windows(files, args, 40, seed=3, mixed=True)
+
+        def longest(step):
+            return max(windows[step].seq_lens[:-1])  # the last one takes what is left
+
+        grown = []
+        for step, loss in enumerate([3.0] * 5 + [0.9, 0.8, 0.5] + [0.5, 2.0, 0.5, 0.5, 0.5]):
+            windows[step]
+            grown.append(windows.observe(step, loss))
+        assert longest(0) == 64 and longest(7) == 64
+        assert grown[7] == 128 and grown[12] == 256 and grown.count(None) == len(grown) - 2
+        assert 64 < longest(8) <= 128 and 128 < longest(13) <= 256
+        state = windows.state_at(14)
+        again = tiny.take_retrieval_windows(files, args, 40, seed=3, mixed=True)
+        again.resume(14, state)
+        assert again[14].seq_lens == windows[14].seq_lens and longest(14) <= 256
+        assert all(windows.observe(step, 0.1) is None for step in range(30, 34))  # after warm-up
+        assert max(max(windows[step].seq_lens[:-1] or [0]) for step in range(30, 40)) > 256
+        for bad in (["--task-curriculum-gate", "-1"], ["--task-curriculum", "5"],
+                    ["--task-curriculum-span", "0"]):
+            with pytest.raises(SystemExit):
+                tiny.parse_args(argv + bad)
+    finally:
+        sys.modules.pop("pretrain_tiny_retrieval_test", None)
+
+
 def test_mixed_lengths_fill_the_window():
     rng = random.Random(5)
     for total in (512, 4096, 32768):
@@ -308,3 +442,36 @@ def test_value_set_chance_is_one_over_the_distinct_record_values():
         assert seq.value_set_chance == pytest.approx(1.0 / len(record_values))
     assert retrieval_task.make_sequence(
         retrieval_task.RetrievalSpec(256, 8, 4, 16, 16, 1), filler, rng).value_set_chance == 1.0
+
+
+def test_report_breaks_record_block_chosen_down_per_layer_and_index_head(tmp_path):
+    """examples/retrieval_report.py: the per-head table has one column per (layer, index head)
+    and the best head per layer; retrieval.json keeps the per-head values."""
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        import retrieval_report
+    finally:
+        sys.path.remove(str(REPO / "examples"))
+    runs = {}
+    for name, per_head in (("msa", [[0.9, 0.1], [0.25, 0.5]]),
+                           ("random", [[0.0, 0.2], [0.1, 0.0]])):
+        run = {"name": name, "steps": [1, 2], "loss": [3.0, 2.0], "tokens_per_s": [10.0, 12.0],
+               "held_out_loss": 2.0, "probe_steps": [2], "recall_per_layer": [[0.5, 0.6]],
+               "key_hit_per_layer": [[0.5, 0.375]], "key_hit_per_head": [per_head],
+               "eval_steps": [2], "eval_exact_match": [0.5], "answer_loss": [3.0, 2.5],
+               "retrieval": {"exact_match": 0.5, "answer_loss": 1.0, "recall": 0.55,
+                             "recall_answer": 0.4, "key_hit": sum(map(sum, per_head)) / 4,
+                             "key_hit_per_head": per_head}}
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.json").write_text(json.dumps(
+            {"args": {"warmup_steps": 1}, "runs": [run]}))
+    table = retrieval_report.head_table(retrieval_report.load_runs(tmp_path))
+    lines = table.splitlines()
+    assert lines[0] == "| run | L1 h1 | L1 h2 | L2 h1 | L2 h2 | L1 best | L2 best |"
+    assert lines[2] == "| MSA, KL-trained index | 0.900 | 0.100 | 0.250 | 0.500 | 0.900 | 0.500 |"
+    assert lines[3].startswith("| MSA, frozen random index | 0.000 | 0.200 |")
+    assert retrieval_report.main([str(tmp_path)]) == 0
+    assert "L2 best" in (tmp_path / "retrieval.md").read_text()
+    summary = json.loads((tmp_path / "retrieval.json").read_text())
+    assert summary["msa"]["key_hit_per_head"] == [[[0.9, 0.1], [0.25, 0.5]]]
+    assert retrieval_report.head_table({"dense": {"retrieval": {}}}) == ""

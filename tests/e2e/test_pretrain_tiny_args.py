@@ -58,6 +58,12 @@ def test_default_and_quick_settings_are_valid(tiny):
     (["--lr-warmup", "-1"], 1, "--lr-warmup -1"),
     (["--heads", "3"], 1, "multiple of --heads 3"),
     (["--index-head-dim", "16"], 1, "--index-head-dim 16 is smaller than the RoPE dims"),
+    (["--warmup-until", "5"], 1, "--warmup-until need --save-warmup"),
+    (["--warmup-seconds", "60"], 1, "--warmup-seconds need --save-warmup"),
+    (["--warmup-seconds", "0", "--save-warmup", "w"], 1, "--warmup-seconds 0.0 must be > 0"),
+    (["--warmup-until", "0", "--save-warmup", "w"], 1, "--warmup-until 0 must be >= 1"),
+    (["--resume-warmup", "/nonexistent/w"], 1, "--resume-warmup /nonexistent/w is not a dir"),
+    (["--resume-warmup", ".", "--load-warmup", "."], 1, "exclude each other"),
 ])
 def test_bad_layouts_and_sizes_are_named(tiny, argv, world, needle):
     errors = _errors(tiny, ["--device", "cpu", *argv], world)

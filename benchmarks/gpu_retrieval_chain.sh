@@ -22,16 +22,23 @@
 # same settings (LEN_TASK, WARMUP, STEPS, the recipe): the run refuses a warm-up saved with
 # others.
 #
-# Environment: LEN_TASK (8192), WINDOW (16384 tokens per step), WARMUP (dense steps, 6000),
-# STEPS (WARMUP + 600), TOPK (8), LR (3e-3), KEYS (32), VALUES (8), GATE (1.0: the longest
+# Environment: LEN_TASK (8192), WINDOW (16384 tokens per step), WARMUP (dense steps, 5000),
+# STEPS (WARMUP + 400), TOPK (8), LR (3e-3), KEYS (32), VALUES (8), GATE (1.0: the longest
 # training length doubles whenever the mean training answer loss over 50 steps is below it),
 # EXTRA (more flags for every lane), TAG (names a second warm-up of the same length),
-# WARMUP_S (480), FINISH_S (240), LANE_S (300).
+# WARMUP_S (470), FINISH_S (240), LANE_S (270). At ~0.12 s per step, 5000 warm-up steps take
+# ~600 s: one full link and most of the second call's FINISH_S; if the warm-up is still not
+# done, PHASE=variants returns it for one more call of the same command.
+#
+# Device tool, 2 GPUs (on one GPU the same commands, without lane B):
+#   run(kind="nvidia-h200-x2", carry=[".whl"], command="PHASE=warmup B_FLAGS='--value-vocab 32' bash benchmarks/gpu_retrieval_chain.sh")
+#   (here: mkdir -p runs/carry && cp <files_at>/r8192.tgz.part-* runs/carry/)
+#   run(kind="nvidia-h200-x2", carry=[".whl", "runs/carry"], command="PHASE=variants bash benchmarks/gpu_retrieval_chain.sh")
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 . benchmarks/gpu_env.sh
-LEN_TASK=${LEN_TASK:-8192}; WINDOW=${WINDOW:-16384}; WARMUP=${WARMUP:-6000}
-STEPS=${STEPS:-$((WARMUP + 600))}; TOPK=${TOPK:-8}
+LEN_TASK=${LEN_TASK:-8192}; WINDOW=${WINDOW:-16384}; WARMUP=${WARMUP:-5000}
+STEPS=${STEPS:-$((WARMUP + 400))}; TOPK=${TOPK:-8}
 NAME=r$LEN_TASK${TAG:-}; R=runs/$NAME
 RECIPE="--task retrieval --record-format fused --seq-len $WINDOW --task-len $LEN_TASK
  --task-len-min 64 --task-curriculum-gate ${GATE:-1.0} --task-question-every 8 --pairs 32
@@ -68,11 +75,11 @@ link() {  # train the warm-up for $1 seconds (continuing a saved one), save it
 restore
 if [ "${PHASE:-warmup}" = warmup ]; then
     if [ -n "${B_FLAGS:-}" ] && [ "$gpus" -ge 2 ]; then
-        CUDA_VISIBLE_DEVICES=1 MASTER_PORT=29751 timeout $((${WARMUP_S:-480} + 240)) python3 \
+        CUDA_VISIBLE_DEVICES=1 MASTER_PORT=29751 timeout $((${WARMUP_S:-470} + 240)) python3 \
             examples/pretrain_tiny.py $RECIPE $B_FLAGS --runs dense --save-warmup "$R/b_warmup" \
-            --warmup-seconds "${WARMUP_S:-480}" --out-dir "$R/b" > "$R/b.log" 2>&1 &
+            --warmup-seconds "${WARMUP_S:-470}" --out-dir "$R/b" > "$R/b.log" 2>&1 &
     fi
-    link "${WARMUP_S:-480}"
+    link "${WARMUP_S:-470}"
     wait
     if [ -f "$R/b.log" ]; then
         echo "=== lane B (${B_FLAGS:-})"
@@ -103,7 +110,7 @@ visible=(${CUDA_VISIBLE_DEVICES:+${CUDA_VISIBLE_DEVICES//,/ }})
 for run in msa random local dense; do
     port=$((port + 1)); gpu=$((i % gpus)); i=$((i + 1))
     [ ${#visible[@]} -gt 0 ] && gpu=${visible[$gpu]}
-    CUDA_VISIBLE_DEVICES=$gpu MASTER_PORT=$port timeout "${LANE_S:-300}" python3 \
+    CUDA_VISIBLE_DEVICES=$gpu MASTER_PORT=$port timeout "${LANE_S:-270}" python3 \
         examples/pretrain_tiny.py $RECIPE --runs "$run" --load-warmup "$R/warmup" \
         --out-dir "$R/$run" > "$R/$run.log" 2>&1 &
 done

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Superseded by benchmarks/gpu_retrieval_chain.sh (recipe v3: chained warm-up, gated curriculum).
 # Issue 19 on one H200 in two calls: the retrieval comparison of examples/README.md "Fused
 # records" (CPU, 512 tokens: dense 0.938, KL-trained index 0.922, random 0.305, own block 0.016)
 # at LEN_TASK tokens per sequence (default 8192; block 128, top-k TOPK of LEN_TASK/128 blocks).

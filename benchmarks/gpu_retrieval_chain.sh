@@ -26,9 +26,10 @@
 # STEPS (WARMUP + 400), TOPK (8), LR (3e-3), KEYS (32), VALUES (8), GATE (1.0: the longest
 # training length doubles whenever the mean training answer loss over 50 steps is below it),
 # EXTRA (more flags for every lane), TAG (names a second warm-up of the same length),
-# WARMUP_S (470), FINISH_S (240), LANE_S (270). At ~0.12 s per step, 5000 warm-up steps take
-# ~600 s: one full link and most of the second call's FINISH_S; if the warm-up is still not
-# done, PHASE=variants returns it for one more call of the same command.
+# WARMUP_S (470), FINISH_S (200), LANE_S (270). At ~0.12 s per step, 5000 warm-up steps take
+# ~600 s: one full link and the second call's FINISH_S. If the first link's log shows fewer
+# than ~3800 steps (slower steps), run PHASE=warmup once more before PHASE=variants; if the
+# warm-up is still not done, PHASE=variants returns it (exit 1) for one more call.
 #
 # Device tool, 2 GPUs (on one GPU the same commands, without lane B):
 #   run(kind="nvidia-h200-x2", carry=[".whl"], command="PHASE=warmup B_FLAGS='--value-vocab 32' bash benchmarks/gpu_retrieval_chain.sh")
@@ -94,8 +95,8 @@ fi
 
 done_steps=$(saved_step)
 if [ "$done_steps" -lt "$WARMUP" ]; then
-    echo "warm-up at step $done_steps of $WARMUP: finishing it (at most ${FINISH_S:-240} s)"
-    link "${FINISH_S:-240}"
+    echo "warm-up at step $done_steps of $WARMUP: finishing it (at most ${FINISH_S:-200} s)"
+    link "${FINISH_S:-200}"
     done_steps=$(saved_step)
 fi
 if [ "$done_steps" -lt "$WARMUP" ]; then

@@ -28,7 +28,7 @@
 # EXTRA (more flags for every lane), TAG (names a second warm-up of the same length),
 # WARMUP_S (470), FINISH_S (200), LANE_S (270). At ~0.12 s per step, 5000 warm-up steps take
 # ~600 s: one full link and the second call's FINISH_S. If the first link's log shows fewer
-# than ~3800 steps (slower steps), run PHASE=warmup once more before PHASE=variants; if the
+# than ~3500 steps (slower steps), run PHASE=warmup once more before PHASE=variants; if the
 # warm-up is still not done, PHASE=variants returns it (exit 1) for one more call.
 #
 # Device tool, 2 GPUs (on one GPU the same commands, without lane B):

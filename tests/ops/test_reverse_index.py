@@ -130,6 +130,8 @@ def test_reverse_index_is_a_stable_counting_sort(case, tile_tokens, monkeypatch)
     for chunks in (1, 2, 16):
         groups, count = ri.chunk_groups(rev, chunks)
         assert groups.shape == (chunks, n_groups) and count.shape == (chunks,)
+        again = ri.chunk_groups(rev, chunks)  # built once per index (backward and KL share)
+        assert again[0] is groups and again[1] is count
         step = ri.SUB_CHUNKS // chunks
         for c in range(chunks):
             t0, t1 = sub_t0[c * step], sub_t0[(c + 1) * step]

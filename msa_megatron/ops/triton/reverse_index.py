@@ -32,7 +32,7 @@ per-pair partials in chunks of tokens processes ``NC`` (a power of two <= 16) ch
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -75,6 +75,9 @@ class ReverseIndex:
         ipg: index heads per KV group (buckets per KV group and start row).
         item_pairs: pairs per item (``ITEM_PAIRS`` when built).
         max_items, max_buckets, tq, max_tiles: host-side bounds (grid and buffer sizes).
+        chunk_groups_cache: :func:`chunk_groups`' lists per ``chunks`` and the per-sub-chunk
+            mask they come from (``"sub_chunks"``), filled on first use: built once per index
+            for the backward and the KL (read-only tensors).
     """
 
     pair: torch.Tensor
@@ -92,6 +95,7 @@ class ReverseIndex:
     max_buckets: int
     tq: int
     max_tiles: int
+    chunk_groups_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
 @triton.jit
 def _pair_buckets(bidx_ptr, qpos_ptr, qkb_ptr, cid_ptr, full_ptr, e, t, Tq, NS,
@@ -359,23 +363,33 @@ def chunk_groups(rev: ReverseIndex, chunks: int) -> tuple:
     Returns:
         ``(groups, count)``: ``groups [chunks, G]`` int32 (``G = max_buckets // ipg``), row
         ``c`` listing chunk ``c``'s non-empty ``gb`` ascending in its first ``count[c]``
-        entries, then the empty ones; ``count [chunks]`` int32.
+        entries, then the empty ones; ``count [chunks]`` int32. Built once per index and
+        ``chunks`` (cached on ``rev``: the backward and the KL share them; callers must not
+        write to them).
 
     Raises:
         ValueError: ``chunks`` is not a power of two dividing ``SUB_CHUNKS``.
     """
     if chunks < 1 or SUB_CHUNKS % chunks or chunks & (chunks - 1):
         raise ValueError(f"chunks must be a power of two dividing {SUB_CHUNKS}, got {chunks}")
+    cached = rev.chunk_groups_cache.get(chunks)
+    if cached is not None:
+        return cached
     dev = rev.off.device
     n_groups = rev.max_buckets // rev.ipg
-    cap = rev.off.numel() - 1
-    nt = rev.meta[1].to(torch.int64)
-    bb = torch.minimum(torch.arange(n_groups * rev.ipg, device=dev, dtype=torch.int64),
-                       rev.meta[3].to(torch.int64))  # buckets past the last read empty cells
-    sc = torch.arange(0, SUB_CHUNKS + 1, SUB_CHUNKS // chunks, device=dev, dtype=torch.int64)
-    lo = rev.off[(bb[None, :] * nt + (sc * (nt // SUB_CHUNKS))[:, None]).clamp_max(cap)]
-    used = (lo[1:] != lo[:-1]).view(chunks, n_groups, rev.ipg).any(2)  # [chunks, G]
-    del lo, bb
+    used = rev.chunk_groups_cache.get("sub_chunks")
+    if used is None:  # [SUB_CHUNKS, G]: groups with a pair in each sub-chunk, once per index
+        cap = rev.off.numel() - 1
+        nt = rev.meta[1].to(torch.int64)
+        bb = torch.minimum(torch.arange(n_groups * rev.ipg, device=dev, dtype=torch.int64),
+                           rev.meta[3].to(torch.int64))  # buckets past the last read empty cells
+        sc = torch.arange(0, SUB_CHUNKS + 1, device=dev, dtype=torch.int64)
+        lo = rev.off[(bb[None, :] * nt + (sc * (nt // SUB_CHUNKS))[:, None]).clamp_max(cap)]
+        used = (lo[1:] != lo[:-1]).view(SUB_CHUNKS, n_groups, rev.ipg).any(2)
+        del lo, bb
+        rev.chunk_groups_cache["sub_chunks"] = used
+    # A chunk's cells are its sub-chunks' (offsets ascend): non-empty iff one of them is.
+    used = used.view(chunks, SUB_CHUNKS // chunks, n_groups).any(1)  # [chunks, G]
     # A permutation per row (no index written twice): used groups first, then the others.
     cu = torch.cumsum(used, 1)
     count = cu[:, -1:]
@@ -383,7 +397,9 @@ def chunk_groups(rev: ReverseIndex, chunks: int) -> tuple:
     dest = torch.where(used, cu - 1, count + j - cu)
     groups = torch.empty((chunks, n_groups), dtype=torch.int32, device=dev)
     groups.scatter_(1, dest, j.to(torch.int32).expand(chunks, n_groups))
-    return groups, count[:, 0].to(torch.int32)
+    result = (groups, count[:, 0].to(torch.int32))
+    rev.chunk_groups_cache[chunks] = result
+    return result
 
 
 def query_tile_ranges(

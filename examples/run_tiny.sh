@@ -89,12 +89,16 @@ case $DEVICE in
     *) echo "$SELF: DEVICE=$DEVICE must be cpu or cuda" >&2; exit 2 ;;
 esac
 if [ "$DEVICE" = cuda ]; then  # before any install: the CUDA torch build is several GB
-    gpus=0
-    if command -v nvidia-smi >/dev/null 2>&1; then
-        gpus=$(nvidia-smi --list-gpus 2>/dev/null | grep -c '^GPU [0-9]' || true)
-    fi
-    if [ "$gpus" -eq 0 ]; then
+    # shellcheck source=gpu_count.sh
+    source examples/gpu_count.sh   # msa_count_gpus, the Megatron-LM launchers' count too
+    msa_count_gpus
+    if [ "${MSA_GPUS_LISTED:-0}" -eq 0 ]; then
         echo "$SELF: DEVICE=cuda but nvidia-smi lists no NVIDIA GPU; use DEVICE=cpu" >&2
+        exit 2
+    fi
+    if [ "$MSA_GPUS" -eq 0 ]; then
+        echo "$SELF: DEVICE=cuda but no GPU is visible" \
+             "(CUDA_VISIBLE_DEVICES='$CUDA_VISIBLE_DEVICES'); use DEVICE=cpu" >&2
         exit 2
     fi
 fi

@@ -133,12 +133,16 @@ fi
 # shellcheck disable=SC2206  # tokenizer flags are a list of words
 MSA_GPT_ARGS+=($TOKENIZER_ARGS)
 
+# shellcheck source=../gpu_count.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../gpu_count.sh"   # msa_count_gpus (run_tiny.sh's too)
+
 # GPUS_PER_NODE for the launchers (processes per node): the environment's value, else the GPUs
-# `nvidia-smi --list-gpus` lists (at most as many as CUDA_VISIBLE_DEVICES names, when it is set). These launchers need NVIDIA GPUs (the CPU route is
-# examples/run_tiny.sh); without any, one line on stderr and status 2, before torchrun starts.
+# `nvidia-smi --list-gpus` lists (at most as many as CUDA_VISIBLE_DEVICES names, when it is set:
+# msa_count_gpus). These launchers need NVIDIA GPUs (the CPU route is examples/run_tiny.sh);
+# without any, one line on stderr and status 2, before torchrun starts.
 # Usage: msa_gpus_per_node LAUNCHER_NAME || exit $?
 msa_gpus_per_node() {
-    local launcher=$1 listing
+    local launcher=$1
     if [ -n "${GPUS_PER_NODE:-}" ]; then
         case $GPUS_PER_NODE in
             *[!0-9]*|0*) echo "$launcher: GPUS_PER_NODE=$GPUS_PER_NODE must be a positive integer" >&2
@@ -146,30 +150,22 @@ msa_gpus_per_node() {
         esac
         return 0
     fi
-    if ! command -v nvidia-smi >/dev/null 2>&1; then
+    msa_count_gpus
+    if [ -z "$MSA_GPUS_LISTED" ]; then
         echo "$launcher: no GPU found (nvidia-smi is not installed); this launcher needs NVIDIA" \
              "GPUs (set GPUS_PER_NODE if they are there; on CPU use examples/run_tiny.sh)" >&2
         return 2
     fi
-    listing=$(nvidia-smi --list-gpus 2>&1) || true
-    GPUS_PER_NODE=$(printf '%s\n' "$listing" | grep -c '^GPU [0-9]' || true)
-    if [ "${CUDA_VISIBLE_DEVICES+set}" = set ] && [ "$GPUS_PER_NODE" -gt 0 ]; then
-        # CUDA sees only the listed devices (one process per visible GPU); an empty value hides all
-        local visible=0 id ids
-        IFS=, read -ra ids <<< "$CUDA_VISIBLE_DEVICES"
-        for id in "${ids[@]}"; do [ -n "${id// /}" ] && visible=$((visible + 1)); done
-        [ "$visible" -lt "$GPUS_PER_NODE" ] && GPUS_PER_NODE=$visible
-        if [ "$GPUS_PER_NODE" -eq 0 ]; then
-            echo "$launcher: no GPU visible (CUDA_VISIBLE_DEVICES='$CUDA_VISIBLE_DEVICES'); this" \
-                 "launcher needs NVIDIA GPUs" >&2
-            return 2
-        fi
-    fi
-    if [ "$GPUS_PER_NODE" -eq 0 ]; then
-        listing=$(printf '%s\n' "$listing" | head -n 1)
-        echo "$launcher: no GPU found (nvidia-smi --list-gpus: ${listing:-no output}); this" \
+    if [ "$MSA_GPUS_LISTED" -eq 0 ]; then
+        echo "$launcher: no GPU found (nvidia-smi --list-gpus: ${MSA_GPU_LISTING:-no output}); this" \
              "launcher needs NVIDIA GPUs (set GPUS_PER_NODE if they are there; on CPU use" \
              "examples/run_tiny.sh)" >&2
         return 2
     fi
+    if [ "$MSA_GPUS" -eq 0 ]; then
+        echo "$launcher: no GPU visible (CUDA_VISIBLE_DEVICES='$CUDA_VISIBLE_DEVICES'); this" \
+             "launcher needs NVIDIA GPUs" >&2
+        return 2
+    fi
+    GPUS_PER_NODE=$MSA_GPUS
 }

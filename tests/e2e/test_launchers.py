@@ -141,6 +141,25 @@ def test_run_tiny_bad_layout_is_one_line_before_anything(sandbox, setting, messa
     _nothing_installed_or_launched(env, log)
 
 
+@pytest.mark.parametrize("visible,ok", [(None, True), ("1", True), ("", False), (" , ", False)])
+def test_run_tiny_cuda_counts_gpus_as_the_megatron_launchers(sandbox, tmp_path, visible, ok):
+    """One count for both (examples/gpu_count.sh): GPUs nvidia-smi lists, hidden ones left out."""
+    env, log = sandbox
+    listing = "GPU 0: NVIDIA H200 (UUID: GPU-a)\nGPU 1: NVIDIA H200 (UUID: GPU-b)"
+    _stub(tmp_path / "stubs" / "nvidia-smi", log, output=listing)
+    env = dict(env, DEVICE="cuda")
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    proc = _run(RUN_TINY, env, "--check-only")
+    if ok:
+        assert proc.returncode == 0 and "DEVICE=cuda OK" in proc.stdout, proc.stderr
+    else:
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and "DEVICE=cuda but no GPU is visible" in lines[0], lines
+    _nothing_installed_or_launched(env, log)
+
+
 # --- examples/megatron_lm launchers -------------------------------------------------------
 
 LAUNCHERS = {

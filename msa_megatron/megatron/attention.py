@@ -215,6 +215,8 @@ class MSASelfAttention(SelfAttention):
         if rotary_pos_emb is not None and not isinstance(rotary_pos_emb, tuple):
             rotary_pos_emb = (rotary_pos_emb,) * 2
 
+        # THD RoPE table rows: built once for q, k, q_idx and k_idx (index.apply_rope).
+        rope_cache: dict = {}
         gated = bool(getattr(self.config, "attention_output_gate", False))
         if (self.config.sequence_parallel and self.world_size > 1
                 and can_run_local(self.linear_qkv)):
@@ -223,12 +225,13 @@ class MSASelfAttention(SelfAttention):
             shared = SharedGather(hidden_states, self.pg_collection.tp)
             with shared.saving():
                 q_idx, k_idx = self.index(shared.full, rotary_pos_emb, packed_seq_params,
-                                          gathered=True)
+                                          gathered=True, rope_cache=rope_cache)
                 with local_projection(self.linear_qkv):
                     qkv = self.get_query_key_value_tensors(shared.full, None, output_gate=gated,
                                                            split_qkv=True)
         else:
-            q_idx, k_idx = self.index(hidden_states, rotary_pos_emb, packed_seq_params)
+            q_idx, k_idx = self.index(hidden_states, rotary_pos_emb, packed_seq_params,
+                                      rope_cache=rope_cache)
             qkv = self.get_query_key_value_tensors(hidden_states, None, output_gate=gated,
                                                    split_qkv=True)
         query, key, value = qkv[:3]
@@ -239,8 +242,8 @@ class MSASelfAttention(SelfAttention):
         if rotary_pos_emb is not None:
             cu_q, cu_k = rope_cu_seqlens(packed_seq_params)
             cp_group = getattr(self.pg_collection, "cp", None)
-            query = apply_rope(query, rotary_pos_emb[0], self.config, cu_q, cp_group)
-            key = apply_rope(key, rotary_pos_emb[1], self.config, cu_k, cp_group)
+            query = apply_rope(query, rotary_pos_emb[0], self.config, cu_q, cp_group, rope_cache)
+            key = apply_rope(key, rotary_pos_emb[1], self.config, cu_k, cp_group, rope_cache)
 
         if self.checkpoint_core_attention and self.training:
             core_out = self._checkpointed_core_attention(query, key, value, q_idx, k_idx,

@@ -303,7 +303,8 @@ def thd_rope_positions(cu_seqlens: torch.Tensor, local_tokens: int, cp_size: int
 
 
 def apply_rope(t: torch.Tensor, freqs: Optional[torch.Tensor], config: TransformerConfig,
-               cu_seqlens: Optional[torch.Tensor], cp_group) -> torch.Tensor:
+               cu_seqlens: Optional[torch.Tensor], cp_group,
+               cache: Optional[dict] = None) -> torch.Tensor:
     """megatron-core's RoPE (``apply_rotary_pos_emb`` with the layer's YaRN mscale), as its
     attention applies it to q and k; identity when ``freqs`` is None.
 
@@ -314,6 +315,21 @@ def apply_rope(t: torch.Tensor, freqs: Optional[torch.Tensor], config: Transform
     megatron-core's rotation is applied once, as to one ``[T, 1, h, d]`` sequence: the same
     values bitwise (``tests/megatron/test_rope_thd.py``). With ``apply_rope_fusion`` (Transformer
     Engine) megatron-core's fused THD kernel is used as is.
+
+    Args:
+        t: ``[t, h, d]`` (THD, ``cu_seqlens`` given) or ``[s, b, h, d]``.
+        freqs: megatron-core's table ``[rows, 1, 1, rot]`` or None.
+        config: the layer's TransformerConfig (YaRN mscale, interleaving, fusion).
+        cu_seqlens: ``[B + 1]`` global boundaries (THD) or None (SBHD).
+        cp_group: the CP group (None: megatron-core's global one).
+        cache: a dict shared by the calls of one layer forward (q, k, q_idx, k_idx; a new
+            dict per forward): the THD layout is checked (two host syncs) and the position
+            rows built once per ``cu_seqlens``, the table rows gathered once per ``(freqs,
+            cu_seqlens)``; tensors are matched by identity. None: nothing is kept.
+
+    Raises:
+        ValueError: THD under CP with a sequence length not divisible by ``2 * CP``, or ``t``'s
+            rows are not ``cu_seqlens[-1] / CP``.
     """
     if freqs is None:
         return t
@@ -331,20 +347,44 @@ def apply_rope(t: torch.Tensor, freqs: Optional[torch.Tensor], config: Transform
         from megatron.core import parallel_state
 
         cp_group = parallel_state.get_context_parallel_group()
-    cp_size = cp_group.size()
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    if cp_size > 1 and bool((lengths % (2 * cp_size) != 0).any()):
-        raise ValueError(f"THD RoPE under CP {cp_size}: every sequence length must be divisible "
-                         f"by 2 * CP = {2 * cp_size} (megatron-core's load-balanced layout); "
-                         f"cu_seqlens {cu_seqlens.tolist()}")
-    total = int(cu_seqlens[-1])
-    if t.size(0) * cp_size != total:
-        raise ValueError(f"THD RoPE: t has {t.size(0)} rows on this rank but cu_seqlens[-1] / CP = "
-                         f"{total} / {cp_size}")
-    packed = freqs.dim() >= 1 and freqs.size(0) == total
-    rows = thd_rope_positions(cu_seqlens, t.size(0), cp_size, cp_group.rank(), packed)
-    return apply_rotary_pos_emb(t.unsqueeze(1), freqs[rows], config=config, cu_seqlens=None,
+    table = _thd_rope_table(freqs, cu_seqlens, t.size(0), cp_group,
+                            {} if cache is None else cache)
+    return apply_rotary_pos_emb(t.unsqueeze(1), table, config=config, cu_seqlens=None,
                                 mscale=mscale, cp_group=cp_group).squeeze(1)
+
+
+def _thd_rope_table(freqs: torch.Tensor, cu_seqlens: torch.Tensor, local_tokens: int, cp_group,
+                    cache: dict) -> torch.Tensor:
+    """``freqs``' rows for this rank's THD tokens (:func:`apply_rope`), from ``cache`` when
+    the same ``freqs`` and ``cu_seqlens`` were seen (identity), else built and kept there."""
+    key = ("table", id(freqs), id(cu_seqlens), local_tokens)
+    hit = cache.get(key)
+    if hit is not None and hit[0] is freqs and hit[1] is cu_seqlens:
+        return hit[2]
+    layout_key = ("layout", id(cu_seqlens), local_tokens)
+    layout = cache.get(layout_key)
+    cp_size = cp_group.size()
+    if layout is None or layout[0] is not cu_seqlens:
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        if cp_size > 1 and bool((lengths % (2 * cp_size) != 0).any()):
+            raise ValueError(f"THD RoPE under CP {cp_size}: every sequence length must be "
+                             f"divisible by 2 * CP = {2 * cp_size} (megatron-core's "
+                             f"load-balanced layout); cu_seqlens {cu_seqlens.tolist()}")
+        total = int(cu_seqlens[-1])
+        if local_tokens * cp_size != total:
+            raise ValueError(f"THD RoPE: t has {local_tokens} rows on this rank but "
+                             f"cu_seqlens[-1] / CP = {total} / {cp_size}")
+        layout = (cu_seqlens, total, {})  # rows per packed-table flag
+        cache[layout_key] = layout
+    _, total, rows_by_packing = layout
+    packed = freqs.dim() >= 1 and freqs.size(0) == total
+    rows = rows_by_packing.get(packed)
+    if rows is None:
+        rows = thd_rope_positions(cu_seqlens, local_tokens, cp_size, cp_group.rank(), packed)
+        rows_by_packing[packed] = rows
+    table = freqs[rows]
+    cache[key] = (freqs, cu_seqlens, table)
+    return table
 
 
 class MSAIndexBranch(MegatronModule):
@@ -389,7 +429,8 @@ class MSAIndexBranch(MegatronModule):
         return norm
 
     def forward(self, hidden_states: torch.Tensor, rotary_pos_emb, packed_seq_params,
-                gathered: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+                gathered: bool = False,
+                rope_cache: Optional[dict] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """Index q/k from the attention input with gradient stopped (MSA_SPEC section 4).
 
         Args:
@@ -400,6 +441,8 @@ class MSAIndexBranch(MegatronModule):
                 projections.
             rotary_pos_emb: the layer's RoPE frequencies as a ``(q, k)`` pair, or None.
             packed_seq_params: THD boundaries or None.
+            rope_cache: the layer forward's RoPE cache (:func:`apply_rope` ``cache``), shared
+                with the main q/k; None: none.
 
         Returns:
             ``q_idx [s, b, Hi_local, Di]``, ``k_idx [s, b, Hik_local, Di]`` (``[t, H, Di]`` for
@@ -443,6 +486,8 @@ class MSAIndexBranch(MegatronModule):
                         f"{layout.index_head_dim}; use index_head_dim >= the rotary dim "
                         "(kv_channels * rotary_percent)"
                     )
-            q_idx = apply_rope(q_idx, rotary_pos_emb[0], self.config, cu_q, self.cp_group)
-            k_idx = apply_rope(k_idx, rotary_pos_emb[1], self.config, cu_k, self.cp_group)
+            q_idx = apply_rope(q_idx, rotary_pos_emb[0], self.config, cu_q, self.cp_group,
+                               rope_cache)
+            k_idx = apply_rope(k_idx, rotary_pos_emb[1], self.config, cu_k, self.cp_group,
+                               rope_cache)
         return q_idx, k_idx

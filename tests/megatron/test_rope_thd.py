@@ -92,3 +92,35 @@ def test_thd_rope_on_meta_tensors_infers_the_shape():
     t = torch.empty(12, 2, 16, device="meta", dtype=torch.bfloat16)
     out = apply_rope(t, _freqs(16, 16).to("meta"), _config(), cu, _Group(1, 0))
     assert out.is_meta and out.shape == t.shape and out.dtype == t.dtype
+
+
+@pytest.mark.parametrize("cp_size", [1, 2])
+def test_one_layer_forward_builds_the_table_rows_once(monkeypatch, cp_size):
+    """q, k, q_idx and k_idx of one layer forward share a cache: the positions are built (and
+    the layout checked) once per cu_seqlens and the table rows gathered once per (freqs,
+    cu_seqlens), each rotation still megatron-core's bitwise; other freqs get their own rows."""
+    from msa_megatron.megatron import index
+
+    built = []
+    original = index.thd_rope_positions
+    monkeypatch.setattr(index, "thd_rope_positions",
+                        lambda *a, **k: built.append(a) or original(*a, **k))
+    lens = [8 * cp_size, 4 * cp_size, 12 * cp_size]
+    cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lens), 0)
+    config, group = _config(), _Group(cp_size, cp_size - 1)
+    freqs = _freqs(64, 12)
+    rows = int(cu[-1]) // cp_size
+    cache = {}
+    for heads, dim in ((4, 16), (2, 16), (3, 32), (1, 32)):  # q, k, q_idx, k_idx
+        t = torch.randn(rows, heads, dim)
+        want = apply_rotary_pos_emb(t, freqs, config=config, cu_seqlens=cu, cp_group=group)
+        assert torch.equal(apply_rope(t, freqs, config, cu, group, cache), want)
+    assert len(built) == 1
+    tables = [v for k, v in cache.items() if k[0] == "table"]
+    assert len(tables) == 1
+    other = _freqs(64, 12, base=500.0)  # a different table (e.g. the k side's) on the same cu
+    t = torch.randn(rows, 2, 16)
+    want = apply_rotary_pos_emb(t, other, config=config, cu_seqlens=cu, cp_group=group)
+    assert torch.equal(apply_rope(t, other, config, cu, group, cache), want)
+    assert len(built) == 1 and len([k for k in cache if k[0] == "table"]) == 2

@@ -153,13 +153,13 @@ class CompileWatch:
             return
 
         def on_start(**kw):
-            self._started[kw.get("key")] = time.perf_counter()
+            self._started[repr(kw.get("key"))] = time.perf_counter()
             return before(**kw) if before else None  # a truthy value would skip the compile
 
         def on_done(**kw):
-            start = self._started.pop(kw.get("key"), None)
+            start = self._started.pop(repr(kw.get("key")), None)
             self.count += 1
-            self.names[getattr(kw.get("fn"), "name", "?")] += 1
+            self.names[str(getattr(kw.get("fn"), "name", "?"))] += 1
             if start is not None:
                 self.seconds += time.perf_counter() - start
             return after(**kw) if after else None

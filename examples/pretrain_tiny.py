@@ -38,6 +38,7 @@ import sysconfig
 import time
 import unittest.mock
 import warnings
+import zipfile
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -819,8 +820,110 @@ WARMUP_KEYS = ("tp", "cp", "seq_len", "layers", "hidden", "ffn_hidden", "heads",
 # --warmup-seconds, --runs, logging, evaluation and output flags.)
 
 
-def _warmup_file(directory: Path) -> Path:
-    return directory / f"warmup_rank{dist.get_rank():03d}_of{dist.get_world_size():03d}.pt"
+def _warmup_file(directory: Path, rank: Optional[int] = None,
+                 world_size: Optional[int] = None) -> Path:
+    rank = dist.get_rank() if rank is None else rank
+    world_size = dist.get_world_size() if world_size is None else world_size
+    return directory / f"warmup_rank{rank:03d}_of{world_size:03d}.pt"
+
+
+def warmup_settings_differ(saved: Dict[str, object], args: argparse.Namespace) -> str:
+    """``"key=saved/now, ..."`` for every :data:`WARMUP_KEYS` setting of a saved warm-up that
+    differs from ``args`` (empty string: they agree)."""
+    return ", ".join(f"{k}={v!r}/{getattr(args, k, None)!r}" for k, v in sorted(saved.items())
+                     if v != getattr(args, k, None))
+
+
+def check_warmup_dirs(args: argparse.Namespace, world_size: int) -> List[str]:
+    """The problems of the warm-up flags (``--save-warmup``, ``--load-warmup``,
+    ``--resume-warmup``, ``--warmup-until``, ``--warmup-seconds``) that need the saved files:
+    missing or unreadable files (another world size, not a warm-up directory, a cut copy),
+    other settings, a partial warm-up given to ``--load-warmup``, a complete one or a step at or
+    past ``--warmup-until`` given to ``--resume-warmup``, and a ``--save-warmup`` directory
+    that holds a partial warm-up which this run would overwrite instead of continuing it.
+
+    Reads only the small header of each file (settings and step; the tensors are memory-mapped,
+    not read). Returns one message per problem (empty: all good)."""
+    errors: List[str] = []
+    chained = " and ".join(f for f, v in (("--warmup-until", args.warmup_until),
+                                           ("--warmup-seconds", args.warmup_seconds))
+                           if v is not None)
+
+    def header(directory: Path, flag: str, errors: List[str]) -> Optional[Dict[str, object]]:
+        """Settings and step of the warm-up in ``directory`` for ``world_size`` processes;
+        None (with the problem appended to ``errors``) when its files are missing or
+        unreadable."""
+        paths = [_warmup_file(directory, r, world_size) for r in range(world_size)]
+        missing = [p.name for p in paths if not p.is_file()]
+        if missing:
+            others = sorted({p.name.rsplit("_of", 1)[-1][:-3]
+                             for p in directory.glob("warmup_rank*_of*.pt")})
+            if others and len(missing) == len(paths):
+                errors.append(f"{flag} {directory} holds a warm-up saved by "
+                              f"{' / '.join(str(int(o)) for o in others if o.isdigit())} "
+                              f"processes (warmup_rank*_of{others[0]}.pt), not by "
+                              f"{world_size} (WORLD_SIZE): run with the world size, TP and CP "
+                              "that saved it")
+            else:
+                errors.append(f"{flag} {directory} has no {', '.join(missing[:3])}"
+                              f"{' ...' if len(missing) > 3 else ''} (not a --save-warmup "
+                              f"directory of {world_size} processes, or an incomplete copy)")
+            return None
+        first = None
+        for path in paths:
+            if not zipfile.is_zipfile(path):
+                errors.append(f"{flag} {directory}: {path.name} is not a whole torch.save file "
+                              "(cut short, or not a warm-up); save the warm-up again or copy "
+                              "it whole")
+                return None
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                settings, step = state["settings"], int(state.get("step", args.warmup_steps))
+            except Exception as error:  # noqa: BLE001 -- any unreadable file, one message
+                text = str(error).split(". ")[0].splitlines()[0][:120] if str(error) else ""
+                errors.append(f"{flag} {directory}: {path.name} cannot be read "
+                              f"({type(error).__name__}: {text}); save the warm-up again or "
+                              "copy it whole")
+                return None
+            first = first or {"settings": settings, "step": step}
+        return first
+
+    for flag, directory in (("--load-warmup", args.load_warmup),
+                            ("--resume-warmup", args.resume_warmup)):
+        if directory is None or not directory.is_dir():
+            continue  # not given, or named by check_settings already
+        saved = header(directory, flag, errors)
+        if saved is None:
+            continue
+        differ = warmup_settings_differ(saved["settings"], args)
+        if differ:
+            errors.append(f"{flag} {directory} was saved with other settings (saved, now): "
+                          + differ)
+            continue
+        step = saved["step"]
+        if flag == "--load-warmup" and step < args.warmup_steps:
+            errors.append(f"--load-warmup {directory} holds a partial warm-up (step {step} of "
+                          f"{args.warmup_steps}): continue it with --resume-warmup {directory}")
+        elif flag == "--resume-warmup" and chained and step >= args.warmup_steps:
+            errors.append(f"--resume-warmup {directory} holds the complete warm-up (step {step} "
+                          f"of {args.warmup_steps}): nothing is left for {chained}; start the "
+                          f"variants with --load-warmup {directory}")
+        elif (flag == "--resume-warmup" and args.warmup_until is not None
+              and args.warmup_until <= step):
+            errors.append(f"--warmup-until {args.warmup_until} is not past the step of "
+                          f"--resume-warmup {directory} ({step} of {args.warmup_steps})")
+    save = args.save_warmup
+    resumed = args.resume_warmup
+    if (save is not None and save.is_dir()
+            and (resumed is None or save.resolve() != resumed.resolve())
+            and _warmup_file(save, 0, world_size).is_file()):
+        saved = header(save, "--save-warmup", [])  # an unreadable old one is overwritten
+        total = int((saved or {}).get("settings", {}).get("warmup_steps") or 0)
+        if saved is not None and saved["step"] < total:
+            errors.append(f"--save-warmup {save} holds a partial warm-up (step {saved['step']} "
+                          f"of {total}) that this run would overwrite: continue it with "
+                          f"--resume-warmup {save}, or remove it first")
+    return errors
 
 
 def save_warmup(args: argparse.Namespace, model: GPTModel, optimizer: torch.optim.Optimizer,
@@ -865,12 +968,10 @@ def load_warmup(args: argparse.Namespace, model: GPTModel, optimizer: torch.opti
         raise ValueError(f"{flag} {directory}: no {path.name} (saved with another "
                          f"world size, or not a --save-warmup directory)")
     state = torch.load(path, map_location="cpu", weights_only=True)
-    differ = {k: (v, getattr(args, k, None)) for k, v in state["settings"].items()
-              if v != getattr(args, k, None)}
+    differ = warmup_settings_differ(state["settings"], args)
     if differ:
         raise ValueError(f"{flag} {directory} was saved with other settings "
-                         "(saved, now): " + ", ".join(f"{k}={a!r}/{b!r}"
-                                                       for k, (a, b) in sorted(differ.items())))
+                         "(saved, now): " + differ)
     step = int(state.get("step", args.warmup_steps))  # older saves: complete warm-ups only
     if step < args.warmup_steps and args.load_warmup is not None:
         raise ValueError(f"--load-warmup {directory} holds a partial warm-up (step {step} of "
@@ -1407,10 +1508,19 @@ def check_settings(args: argparse.Namespace, world_size: int) -> List[str]:
                               ("--warmup-seconds", args.warmup_seconds)) if v is not None]
     if chained and args.save_warmup is None:
         errors.append(f"{' and '.join(chained)} need --save-warmup (where the warm-up goes)")
-    if args.warmup_until is not None and args.warmup_until < 1:
-        errors.append(f"--warmup-until {args.warmup_until} must be >= 1")
-    if args.warmup_seconds is not None and args.warmup_seconds <= 0:
-        errors.append(f"--warmup-seconds {args.warmup_seconds} must be > 0")
+    if args.warmup_until is not None and not 1 <= args.warmup_until <= args.warmup_steps:
+        errors.append(f"--warmup-until {args.warmup_until} must be in [1, --warmup-steps "
+                      f"{args.warmup_steps}]")
+    if args.warmup_seconds is not None and not (math.isfinite(args.warmup_seconds)
+                                                and args.warmup_seconds > 0):
+        errors.append(f"--warmup-seconds {args.warmup_seconds} must be a finite number > 0")
+    if args.warmup_steps == 0 and (args.save_warmup is not None or chained
+                                   or args.resume_warmup is not None):
+        flags = [f for f, v in (("--save-warmup", args.save_warmup),
+                                ("--resume-warmup", args.resume_warmup)) if v is not None]
+        flags += chained
+        errors.append(f"{' and '.join(flags)} need{'s' if len(flags) == 1 else ''} a dense "
+                      "warm-up, but --warmup-steps is 0")
     if args.eval_windows < 1 or args.log_interval < 1:
         errors.append(f"--eval-windows {args.eval_windows} and --log-interval "
                       f"{args.log_interval} must be >= 1")
@@ -1423,6 +1533,8 @@ def check_settings(args: argparse.Namespace, world_size: int) -> List[str]:
         elif torch.cuda.device_count() < local:
             errors.append(f"--device cuda: {local} processes on this node but only "
                           f"{torch.cuda.device_count()} CUDA devices are visible")
+    if not errors:  # the saved warm-up files, once the flags themselves make sense
+        errors.extend(check_warmup_dirs(args, world_size))
     return errors
 
 

@@ -60,8 +60,8 @@ def test_default_and_quick_settings_are_valid(tiny):
     (["--index-head-dim", "16"], 1, "--index-head-dim 16 is smaller than the RoPE dims"),
     (["--warmup-until", "5"], 1, "--warmup-until need --save-warmup"),
     (["--warmup-seconds", "60"], 1, "--warmup-seconds need --save-warmup"),
-    (["--warmup-seconds", "0", "--save-warmup", "w"], 1, "--warmup-seconds 0.0 must be > 0"),
-    (["--warmup-until", "0", "--save-warmup", "w"], 1, "--warmup-until 0 must be >= 1"),
+    (["--warmup-seconds", "0", "--save-warmup", "w"], 1, "--warmup-seconds 0.0 must be a finite"),
+    (["--warmup-until", "0", "--save-warmup", "w"], 1, "--warmup-until 0 must be in [1, "),
     (["--resume-warmup", "/nonexistent/w"], 1, "--resume-warmup /nonexistent/w is not a dir"),
     (["--resume-warmup", ".", "--load-warmup", "."], 1, "exclude each other"),
 ])
@@ -152,3 +152,95 @@ def test_run_tiny_rejects_a_bad_environment_before_installing():
                           text=True, timeout=GUARD_S)
     assert proc.returncode == 2 and "TP=x must be a positive integer" in proc.stderr
     assert not Path("/nonexistent/venv-never-created").exists()
+
+
+# --- chained warm-up: the saved files are checked before any process group starts -------------
+
+_RETRIEVAL = ["--device", "cpu", "--task", "retrieval", "--record-format", "fused",
+              "--steps", "8", "--warmup-steps", "6", "--seq-len", "512", "--task-len", "256",
+              "--task-len-min", "32", "--task-curriculum-gate", "3.0", "--layers", "1",
+              "--hidden", "64", "--ffn-hidden", "128", "--heads", "2", "--query-groups", "2",
+              "--block-size", "16", "--top-k", "3", "--index-head-dim", "32", "--pairs", "8",
+              "--queries", "4", "--key-vocab", "8", "--min-distance", "64", "--dtype", "fp32"]
+
+
+def _fake_warmup(tiny, directory, step, world=1, argv=(), **settings):
+    """A warm-up directory as save_warmup writes it (settings and step; no weights)."""
+    args = tiny.parse_args(_RETRIEVAL + list(argv))
+    saved = {k: getattr(args, k, None) for k in tiny.WARMUP_KEYS}
+    saved.update(settings)
+    directory.mkdir(parents=True, exist_ok=True)
+    for rank in range(world):
+        torch.save({"settings": saved, "model": {}, "optimizer": {}, "history": {},
+                    "step": step, "data": None},
+                   directory / f"warmup_rank{rank:03d}_of{world:03d}.pt")
+    return directory
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--save-warmup", "w", "--warmup-until", "7"], "--warmup-until 7 must be in [1, "
+                                                    "--warmup-steps 6]"),
+    (["--save-warmup", "w", "--warmup-seconds", "nan"], "--warmup-seconds nan must be a finite"),
+    (["--save-warmup", "w", "--warmup-seconds", "inf"], "--warmup-seconds inf must be a finite"),
+    (["--save-warmup", "w", "--warmup-steps", "0"], "--save-warmup needs a dense warm-up, but "
+                                                     "--warmup-steps is 0"),
+])
+def test_chained_warmup_edge_values_are_named(tiny, argv, needle):
+    errors = _errors(tiny, _RETRIEVAL + argv)
+    assert any(needle in e for e in errors), errors
+
+
+def test_warmup_directories_are_checked_before_starting(tiny, tmp_path):
+    partial = _fake_warmup(tiny, tmp_path / "partial", 3)
+    complete = _fake_warmup(tiny, tmp_path / "complete", 6)
+    cp2 = _fake_warmup(tiny, tmp_path / "cp2", 3, world=2, cp=2)
+    other = _fake_warmup(tiny, tmp_path / "other", 3, lr=0.01)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    data = (partial / "warmup_rank000_of001.pt").read_bytes()
+    (cut / "warmup_rank000_of001.pt").write_bytes(data[: len(data) // 2])
+    cases = [
+        (["--resume-warmup", str(empty)], f"--resume-warmup {empty} has no "
+                                          "warmup_rank000_of001.pt"),
+        (["--resume-warmup", str(cp2)], "saved by 2 processes (warmup_rank*_of002.pt), not by 1"),
+        (["--resume-warmup", str(cut)], "warmup_rank000_of001.pt is not a whole torch.save file"),
+        (["--resume-warmup", str(other)], "saved with other settings (saved, now): lr=0.01/0.002"),
+        (["--load-warmup", str(partial)], f"--load-warmup {partial} holds a partial warm-up "
+                                          "(step 3 of 6): continue it with --resume-warmup"),
+        (["--resume-warmup", str(complete), "--save-warmup", str(complete), "--warmup-until",
+          "6"], "holds the complete warm-up (step 6 of 6): nothing is left for --warmup-until"),
+        (["--resume-warmup", str(complete), "--save-warmup", str(complete), "--warmup-seconds",
+          "9"], "nothing is left for --warmup-seconds; start the variants with --load-warmup"),
+        (["--resume-warmup", str(partial), "--save-warmup", str(partial), "--warmup-until", "3"],
+         "--warmup-until 3 is not past the step of --resume-warmup"),
+        (["--save-warmup", str(partial), "--warmup-until", "2"],
+         f"--save-warmup {partial} holds a partial warm-up (step 3 of 6) that this run would "
+         "overwrite"),
+    ]
+    for argv, needle in cases:
+        errors = _errors(tiny, _RETRIEVAL + argv)
+        assert any(needle in e for e in errors), (argv, errors)
+    # what the chain does is accepted
+    for argv in (["--resume-warmup", str(partial), "--save-warmup", str(partial),
+                  "--warmup-until", "4"],
+                 ["--resume-warmup", str(partial), "--save-warmup", str(partial)],
+                 ["--resume-warmup", str(complete)],  # a complete one: loaded, the variants run
+                 ["--load-warmup", str(complete)],
+                 ["--save-warmup", str(complete), "--warmup-until", "2"]):  # complete: replaced
+        assert _errors(tiny, _RETRIEVAL + argv) == [], argv
+    assert _errors(tiny, _RETRIEVAL + ["--cp", "2", "--resume-warmup", str(cp2)], world=2) == []
+    tp2 = _errors(tiny, _RETRIEVAL + ["--tp", "2", "--resume-warmup", str(cp2)], world=2)
+    assert any("cp=2/1, tp=1/2" in e for e in tp2), tp2
+
+
+def test_bad_warmup_directory_exits_with_one_line_and_no_traceback(tmp_path):
+    """Not --check-only: the real start refuses before any process group (was: a traceback
+    from inside the run after the model was built)."""
+    (tmp_path / "empty").mkdir()
+    proc = _run_example(*_RETRIEVAL, "--resume-warmup", str(tmp_path / "empty"), "--out-dir",
+                        str(tmp_path / "out"), world="1")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "has no warmup_rank000_of001.pt" in proc.stderr and "Traceback" not in proc.stderr
+    assert "world " not in proc.stdout

@@ -1306,10 +1306,17 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (plus a pointer to ``--help``), not the
+    40-line usage block above it."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line; sizes default to ``None`` and are filled in by :func:`parse_args`."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=_HelpFormatter)
+    p = _Parser(description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter)
 
     def size(flag: str, kind, help_text: str = "") -> None:
         key = flag[2:].replace("-", "_")
@@ -1431,12 +1438,22 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         if args.task_curriculum < 0 or (args.task_curriculum and args.task_len_min is None):
             p.error(f"--task-curriculum ({args.task_curriculum}) must be >= 0 and needs "
                     "--task-len-min")
-        if args.task_curriculum_gate < 0 or (args.task_curriculum_gate and (
+        gate = args.task_curriculum_gate
+        if not math.isfinite(gate) or gate < 0 or (gate and (
                 args.task_len_min is None or args.task_curriculum)):
-            p.error(f"--task-curriculum-gate ({args.task_curriculum_gate}) must be >= 0 and "
+            p.error(f"--task-curriculum-gate ({gate}) must be a finite number >= 0 and "
                     "needs --task-len-min, without --task-curriculum")
+        if gate and args.task_len_min == args.task_len:
+            p.error(f"--task-curriculum-gate ({gate}) grows the training length from "
+                    f"--task-len-min to --task-len, but both are {args.task_len}")
+        if gate and args.warmup_steps == 0:
+            p.error(f"--task-curriculum-gate ({gate}) grows the training length during the "
+                    "dense warm-up, but --warmup-steps is 0")
         if args.task_curriculum_span < 1:
             p.error(f"--task-curriculum-span ({args.task_curriculum_span}) must be >= 1")
+        if not gate and args.task_curriculum_span != p.get_default("task_curriculum_span"):
+            p.error(f"--task-curriculum-span ({args.task_curriculum_span}) is the window of "
+                    "--task-curriculum-gate, which is not given")
         try:
             spec = retrieval_task.spec_from_args(args)
             spec.check()
@@ -1444,6 +1461,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             p.error(str(error))
         args.vocab_size = -(-spec.vocab_size // 128) * 128  # divisible by any TP size <= 128
     else:
+        given = [f"--{dest.replace('_', '-')} {getattr(args, dest)}" for dest in (
+            "task_len_min", "task_curriculum", "task_curriculum_gate", "task_curriculum_span")
+                 if getattr(args, dest) != p.get_default(dest)]
+        if given:
+            p.error(f"{', '.join(given)}: the retrieval task's length curriculum, but --task is "
+                    f"{args.task} (add --task retrieval)")
         args.vocab_size = VOCAB_SIZE
     return args
 

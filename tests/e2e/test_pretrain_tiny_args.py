@@ -182,8 +182,8 @@ def _fake_warmup(tiny, directory, step, world=1, argv=(), **settings):
                                                     "--warmup-steps 6]"),
     (["--save-warmup", "w", "--warmup-seconds", "nan"], "--warmup-seconds nan must be a finite"),
     (["--save-warmup", "w", "--warmup-seconds", "inf"], "--warmup-seconds inf must be a finite"),
-    (["--save-warmup", "w", "--warmup-steps", "0"], "--save-warmup needs a dense warm-up, but "
-                                                     "--warmup-steps is 0"),
+    (["--save-warmup", "w", "--warmup-steps", "0", "--task-curriculum-gate", "0"],
+     "--save-warmup needs a dense warm-up, but --warmup-steps is 0"),
 ])
 def test_chained_warmup_edge_values_are_named(tiny, argv, needle):
     errors = _errors(tiny, _RETRIEVAL + argv)
@@ -244,3 +244,25 @@ def test_bad_warmup_directory_exits_with_one_line_and_no_traceback(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "has no warmup_rank000_of001.pt" in proc.stderr and "Traceback" not in proc.stderr
     assert "world " not in proc.stdout
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--task", "text", "--task-curriculum-gate", "1.0", "--task-len-min", "32"],
+     "--task-len-min 32, --task-curriculum-gate 1.0: the retrieval task's length curriculum, "
+     "but --task is text"),
+    (["--task", "text", "--task-curriculum-span", "9"], "--task-curriculum-span 9: the "),
+    ([*_RETRIEVAL, "--task-curriculum-gate", "nan"], "--task-curriculum-gate (nan) must be a "
+                                                     "finite number"),
+    ([*_RETRIEVAL, "--task-len-min", "256"], "but both are 256"),
+    ([*_RETRIEVAL, "--warmup-steps", "0"], "--task-curriculum-gate (3.0) grows the training "
+                                           "length during the dense warm-up, but "
+                                           "--warmup-steps is 0"),
+    ([*_RETRIEVAL, "--task-curriculum-gate", "0", "--task-curriculum-span", "10"],
+     "--task-curriculum-span (10) is the window of --task-curriculum-gate, which is not given"),
+])
+def test_curriculum_flags_that_would_do_nothing_are_refused(tiny, capsys, argv, needle):
+    with pytest.raises(SystemExit) as exit_info:
+        tiny.parse_args(["--device", "cpu", *argv])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and needle in err, err
+    assert err.count("\n") == 1 and "usage:" not in err  # one line, not the usage block

@@ -2,9 +2,10 @@
 
     python examples/retrieval_report.py runs/retrieval_8192
 
-Reads ``<dir>/<run>/metrics.json`` (written by ``examples/pretrain_tiny.py --task retrieval``)
-and writes ``<dir>/retrieval.json`` (every run's held-out retrieval metrics, curves and
-arguments), ``<dir>/retrieval.md`` (the comparison table, and "record block chosen" per
+Reads ``<dir>/<run>/metrics.json`` (written by ``examples/pretrain_tiny.py --task retrieval``;
+also the stored ``<dir>/metrics_<run>.json.gz`` of ``benchmarks/results/``) and writes
+``<dir>/retrieval.json`` (every run's held-out retrieval metrics, curves and arguments),
+``<dir>/retrieval.md`` (the comparison table, and "record block chosen" per
 layer and index head) and ``<dir>/retrieval.png``
 (held-out exact match and selection recall over training, and where the selected blocks lie).
 """
@@ -12,11 +13,12 @@ layer and index head) and ``<dir>/retrieval.png``
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import statistics
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 ORDER = ("dense", "msa", "random", "local")
 LABELS = {"dense": "dense attention", "msa": "MSA, KL-trained index",
@@ -24,17 +26,59 @@ LABELS = {"dense": "dense attention", "msa": "MSA, KL-trained index",
 COLORS = {"msa": "tab:red", "dense": "tab:blue", "random": "tab:green", "local": "tab:gray"}
 
 
-def load_runs(directory: Path) -> Dict[str, Dict]:
-    """``{run name: run record}`` from every ``*/metrics.json`` below ``directory``."""
+PATTERNS = ("*/metrics.json", "*/metrics.json.gz", "metrics_*.json", "metrics_*.json.gz")
+
+
+def _read(path: Path) -> Dict:
+    if path.name.endswith(".gz"):
+        with gzip.open(path, "rt") as handle:
+            return json.load(handle)
+    return json.loads(path.read_text())
+
+
+def load_runs(directory: Path, notes: Optional[List[str]] = None) -> Dict[str, Dict]:
+    """``{run name: run record}`` from the metrics files below ``directory``: every
+    ``*/metrics.json`` (``examples/run_retrieval.sh``, ``benchmarks/gpu_retrieval*.sh``) and
+    the stored form ``metrics_<run>.json.gz`` of ``benchmarks/results/``. Appends to ``notes``
+    (when given) what is missing: a run whose log or directory is there (or that a record's
+    ``--runs`` lists) without metrics, an unreadable file, a run found twice (the first one is
+    kept).
+
+    Raises SystemExit with the places looked at when no run is found."""
     runs: Dict[str, Dict] = {}
-    for path in sorted(directory.glob("*/metrics.json")):
-        record = json.loads(path.read_text())
-        for run in record["runs"]:
-            run["args"] = record["args"]
-            runs[run["name"]] = run
+    notes = [] if notes is None else notes
+    expected: List[str] = []
+    for pattern in PATTERNS:
+        for path in sorted(directory.glob(pattern)):
+            try:
+                record = _read(path)
+                found = record["runs"]
+            except (OSError, ValueError, KeyError, TypeError, EOFError) as error:
+                notes.append(f"{path.relative_to(directory)} cannot be read "
+                             f"({type(error).__name__}: {error})")
+                continue
+            expected += [r for r in (record.get("args") or {}).get("runs") or []
+                         if r not in expected]
+            for run in found:
+                if run.get("name") in runs:
+                    notes.append(f"run {run['name']} is also in {path.relative_to(directory)}: "
+                                 "kept the first")
+                    continue
+                run["args"] = record.get("args") or {}
+                runs[run.get("name", path.stem)] = run
+    for name in ORDER:  # a variant's log or output directory, but no metrics
+        if (directory / f"{name}.log").is_file() or (directory / name).is_dir():
+            expected += [name] if name not in expected else []
+    missing = [name for name in expected if name not in runs]
+    if missing:
+        notes.insert(0, "no metrics for " + ", ".join(
+            f"{name} (see {name}.log)" if (directory / f"{name}.log").is_file() else name
+            for name in missing) + ": the run failed, was cut, or was not run")
     if not runs:
-        raise SystemExit(f"no */metrics.json under {directory}")
-    return dict(sorted(runs.items(), key=lambda kv: ORDER.index(kv[0]) if kv[0] in ORDER else 9))
+        raise SystemExit(f"no metrics under {directory} (looked for {', '.join(PATTERNS)})"
+                         + "".join(f"; {note}" for note in notes))
+    return dict(sorted(runs.items(), key=lambda kv: ORDER.index(kv[0]) if kv[0] in ORDER
+                       else 9))
 
 
 def _mean(values: List[float]) -> float:
@@ -53,10 +97,13 @@ def table(runs: Dict[str, Dict]) -> str:
             value = r.get(key)
             return f"{value:.3f}" if isinstance(value, (int, float)) else "-"
 
-        speed = statistics.median(run["tokens_per_s"][len(run["tokens_per_s"]) // 2:])
+        speeds = run.get("tokens_per_s") or []
+        speed = f"{statistics.median(speeds[len(speeds) // 2:]):,.0f}" if speeds else "-"
+        loss = run.get("held_out_loss")
+        loss = f"{loss:.3f}" if isinstance(loss, (int, float)) else "-"
         lines.append(f"| {LABELS.get(name, name)} | {cell('exact_match')} | "
                      f"{cell('answer_loss')} | {cell('recall')} | {cell('recall_answer')} | "
-                     f"{cell('key_hit')} | {run['held_out_loss']:.3f} | {speed:,.0f} |")
+                     f"{cell('key_hit')} | {loss} | {speed} |")
     return "\n".join(lines)
 
 
@@ -94,15 +141,17 @@ def plot(runs: Dict[str, Dict], path: Path) -> None:
     warmup = None
     for name, run in runs.items():
         color = COLORS.get(name)
-        warmup = int(run["args"]["warmup_steps"])
+        warmup = run["args"].get("warmup_steps", warmup)
         if run.get("eval_steps"):
             ax_acc.plot(run["eval_steps"], run["eval_exact_match"], color=color, marker=".",
                         label=LABELS.get(name, name))
-        if run.get("probe_steps") and name != "local":
-            ax_recall.plot(run["probe_steps"], [_mean(v) for v in run["recall_per_layer"]],
-                           color=color, label=f"{name}: recall (uniform rows)")
-            ax_recall.plot(run["probe_steps"], [_mean(v) for v in run["key_hit_per_layer"]],
-                           color=color, linestyle=":", label=f"{name}: record block chosen")
+        probed = run.get("probe_steps") or []
+        for key, style, what in (("recall_per_layer", "-", "recall (uniform rows)"),
+                                 ("key_hit_per_layer", ":", "record block chosen")):
+            values = run.get(key) or []
+            if probed and name != "local" and len(values) == len(probed):
+                ax_recall.plot(probed, [_mean(v) for v in values], color=color,
+                               linestyle=style, label=f"{name}: {what}")
     for name in ("msa", "random"):
         hist = ((runs.get(name) or {}).get("retrieval") or {}).get("distance_histogram")
         if not hist:
@@ -116,7 +165,7 @@ def plot(runs: Dict[str, Dict], path: Path) -> None:
         ax_hist.set_xticks(range(len(labels)), labels, rotation=45)
     for ax in (ax_acc, ax_recall):
         if warmup is not None:
-            ax.axvline(warmup + 0.5, color="black", linewidth=0.8, label="dense -> sparse")
+            ax.axvline(int(warmup) + 0.5, color="black", linewidth=0.8, label="dense -> sparse")
         ax.set_xlabel("step")
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
@@ -125,7 +174,8 @@ def plot(runs: Dict[str, Dict], path: Path) -> None:
     ax_recall.set_title("index selection vs dense teacher")
     ax_hist.set_title("selected blocks by distance from the query's block")
     ax_hist.set_ylabel("share of selected blocks")
-    ax_hist.legend(fontsize=8)
+    if ax_hist.get_legend_handles_labels()[0]:
+        ax_hist.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -135,7 +185,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("directory", type=Path)
     args = parser.parse_args(argv)
-    runs = load_runs(args.directory)
+    notes: List[str] = []
+    runs = load_runs(args.directory, notes)
     summary = {name: {key: run.get(key) for key in (
         "retrieval", "held_out_loss", "eval_steps", "eval_exact_match", "probe_steps",
         "recall_per_layer", "recall_answer_per_layer", "key_hit_per_layer",
@@ -154,6 +205,11 @@ def main(argv=None) -> int:
     if heads:
         text += ("\n\nRecord block chosen per layer (L) and index head (h), held out:\n\n"
                  + heads)
+    elif any(run.get("retrieval") for run in runs.values()):
+        notes.append("no run has key_hit_per_head (record block chosen per layer and index "
+                     "head; metrics.json written before it existed): no per-head table")
+    if notes:
+        text += "\n\nMissing:\n\n" + "\n".join(f"- {note}" for note in notes)
     (args.directory / "retrieval.md").write_text(text + "\n")
     plot(runs, args.directory / "retrieval.png")
     print(text)

@@ -475,3 +475,45 @@ def test_report_breaks_record_block_chosen_down_per_layer_and_index_head(tmp_pat
     summary = json.loads((tmp_path / "retrieval.json").read_text())
     assert summary["msa"]["key_hit_per_head"] == [[[0.9, 0.1], [0.25, 0.5]]]
     assert retrieval_report.head_table({"dense": {"retrieval": {}}}) == ""
+
+
+def test_report_reads_stored_metrics_and_names_what_is_missing(tmp_path):
+    """retrieval_report.py on a benchmarks/results-style directory (metrics_<run>.json.gz,
+    written before key_hit_per_head existed), with a failed run (its log, no metrics), a run
+    that the record's --runs lists but that never finished, and an unreadable file: it still
+    writes the table and names each missing piece; an empty directory says where it looked."""
+    import gzip
+
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        import retrieval_report
+    finally:
+        sys.path.remove(str(REPO / "examples"))
+    for name in ("dense", "msa"):
+        run = {"name": name, "steps": [1, 2], "loss": [3.0, 2.0], "held_out_loss": 2.5,
+               "probe_steps": [2], "recall_per_layer": [[0.5, 0.6]],
+               "eval_steps": [2], "eval_exact_match": [0.5], "answer_loss": [3.0, 2.5],
+               "retrieval": {"exact_match": 0.75, "answer_loss": 1.0, "recall": 0.55,
+                             "recall_answer": 0.4, "key_hit": 0.3}}
+        if name == "dense":
+            run["tokens_per_s"] = [10.0, 12.0]
+        runs = ["msa", "random"] if name == "msa" else ["dense"]
+        with gzip.open(tmp_path / f"metrics_{name}.json.gz", "wt") as handle:
+            json.dump({"args": {"warmup_steps": 1, "runs": runs}, "runs": [run]}, handle)
+    (tmp_path / "local.log").write_text("Traceback ...\n")
+    (tmp_path / "metrics_bad.json.gz").write_bytes(b"not gzip")
+    assert retrieval_report.main([str(tmp_path)]) == 0
+    text = (tmp_path / "retrieval.md").read_text()
+    assert "| dense attention | 0.750 | 1.000 | 0.550 | 0.400 | 0.300 | 2.500 | 12 |" in text
+    assert "| MSA, KL-trained index | 0.750 |" in text and "| 2.500 | - |" in text
+    assert "no metrics for random, local (see local.log)" in text
+    assert "no run has key_hit_per_head" in text and "metrics_bad.json.gz cannot be read" in text
+    assert (tmp_path / "retrieval.png").is_file()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "msa.log").write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        retrieval_report.main([str(empty)])
+    message = str(exit_info.value)
+    assert "no metrics under" in message and "metrics_*.json.gz" in message
+    assert "no metrics for msa (see msa.log)" in message

@@ -5,7 +5,9 @@
 #
 #   PHASE=warmup    one link of the warm-up on GPU 0: continue the carried (or kept) warm-up,
 #                   train WARMUP_S seconds, save it; it comes back as $OUT/$NAME.tgz.part-NN
-#                   (pieces of 15 MiB: the device tool returns files of at most 16 MiB).
+#                   (pieces of 15 MiB: the device tool returns files of at most 16 MiB) and
+#                   their checksum $OUT/$NAME.tgz.sha256. A complete warm-up is not trained
+#                   further (it says so; run PHASE=variants).
 #                   With a second GPU and B_FLAGS set, lane B trains the same recipe with
 #                   B_FLAGS added (later flags win) from scratch for the same time, to compare
 #                   recipes; its state is not kept, its log comes back ($OUT/${NAME}_b.log).
@@ -15,12 +17,13 @@
 #                   examples/retrieval_report.py ($OUT/retrieval_$NAME.md, .json, .png and a
 #                   tarball of logs and metrics).
 #
-# Carrying the warm-up into the next call: copy the returned pieces into runs/carry/ of the
-# repository (mkdir -p runs/carry; cp <files_at>/$NAME.tgz.part-* runs/carry/) and pass
-# carry=[".whl", "runs/carry"]. The pieces are unpacked on the device; a warm-up left on a
-# still-warm machine is used when nothing was carried. Every link and the variants must use the
-# same settings (LEN_TASK, WARMUP, STEPS, the recipe): the run refuses a warm-up saved with
-# others.
+# Carrying the warm-up into the next call: replace runs/carry/ of the repository by the
+# returned pieces and their checksum (rm -rf runs/carry; mkdir -p runs/carry;
+# cp <files_at>/$NAME.tgz.* runs/carry/) and pass carry=[".whl", "runs/carry"]. The pieces are
+# checked against $NAME.tgz.sha256 and unpacked on the device (pieces of two calls mixed are
+# refused); a warm-up left on a still-warm machine is used when nothing was carried. Every
+# link and the variants must use the same settings (LEN_TASK, WARMUP, STEPS, the recipe): the
+# run refuses a warm-up saved with others (the link fails, its log's last lines say why).
 #
 # Environment: LEN_TASK (8192), WINDOW (16384 tokens per step), WARMUP (dense steps, 5000),
 # STEPS (WARMUP + 400), TOPK (8), LR (3e-3), KEYS (32), VALUES (8), GATE (1.0: the longest
@@ -31,11 +34,21 @@
 # than ~3500 steps (slower steps), run PHASE=warmup once more before PHASE=variants; if the
 # warm-up is still not done, PHASE=variants returns it (exit 1) for one more call.
 #
+# Exit status: 0 when the phase did its work; PHASE=warmup: the link's own when it failed (2:
+# settings refused, 124: stopped by its timeout, its steps not saved); PHASE=variants: 1 when
+# the warm-up is not finished (its pieces come back for another link) or a lane failed; 1 for
+# carried pieces that do not unpack; 2 for an unknown PHASE.
+#
 # Device tool, 2 GPUs (on one GPU the same commands, without lane B):
 #   run(kind="nvidia-h200-x2", carry=[".whl"], command="PHASE=warmup B_FLAGS='--value-vocab 32' bash benchmarks/gpu_retrieval_chain.sh")
-#   (here: mkdir -p runs/carry && cp <files_at>/r8192.tgz.part-* runs/carry/)
+#   (here: rm -rf runs/carry && mkdir -p runs/carry && cp <files_at>/r8192.tgz.* runs/carry/)
 #   run(kind="nvidia-h200-x2", carry=[".whl", "runs/carry"], command="PHASE=variants bash benchmarks/gpu_retrieval_chain.sh")
 set -u
+PHASE=${PHASE:-warmup}
+case "$PHASE" in warmup|variants) ;;
+    *) echo "gpu_retrieval_chain.sh: PHASE=$PHASE: use PHASE=warmup or PHASE=variants" >&2
+       exit 2 ;;
+esac
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 . benchmarks/gpu_env.sh
 LEN_TASK=${LEN_TASK:-8192}; WINDOW=${WINDOW:-16384}; WARMUP=${WARMUP:-5000}
@@ -54,59 +67,102 @@ mkdir -p "$R"
 
 restore() {  # the carried pieces win; else a warm-up kept on this machine from the last call
     if ls runs/carry/"$NAME".tgz.part-* >/dev/null 2>&1; then
-        rm -rf "$R/warmup"; cat runs/carry/"$NAME".tgz.part-* | tar xzf - -C "$R" || exit 1
-        echo "warm-up unpacked from runs/carry"
+        local sum=runs/carry/$NAME.tgz.sha256
+        if [ -f "$sum" ] && [ "$(cat runs/carry/"$NAME".tgz.part-* | sha256sum | cut -d' ' -f1)" \
+                != "$(cut -d' ' -f1 "$sum")" ]; then
+            echo "runs/carry/$NAME.tgz.part-* do not match $sum (pieces missing, or from two" \
+                 "calls mixed): carry exactly the files of one call" >&2
+            exit 1
+        fi
+        rm -rf "$R/warmup"
+        if ! cat runs/carry/"$NAME".tgz.part-* | tar xzf - -C "$R"; then
+            echo "runs/carry/$NAME.tgz.part-* do not unpack (cut, or from two calls mixed):" \
+                 "carry exactly the files of one call" >&2
+            exit 1
+        fi
+        echo "warm-up unpacked from runs/carry ($(ls runs/carry/"$NAME".tgz.part-* | wc -l) pieces)"
     elif [ -f "$SAVED" ]; then echo "warm-up kept on this machine"
     else echo "no warm-up yet: starting one"; fi
 }
-saved_step() {  # warm-up steps held by the saved warm-up (0: none)
+saved_step() {  # warm-up steps held by the saved warm-up (0: none); exits when unreadable
     [ -f "$SAVED" ] || { echo 0; return; }
-    python3 -c "import torch; print(torch.load('$SAVED', weights_only=True).get('step', $WARMUP))"
+    local step
+    step=$(python3 -c "import torch; s = torch.load('$SAVED', weights_only=True, mmap=True)
+print(s.get('step', $WARMUP))" 2>/dev/null | tail -n 1)
+    case "$step" in
+        ''|*[!0-9]*) echo "$SAVED cannot be read: carry the pieces of one call again" >&2
+                     exit 1 ;;
+    esac
+    echo "$step"
 }
-link() {  # train the warm-up for $1 seconds (continuing a saved one), save it
-    local resume=(); [ -f "$SAVED" ] && resume=(--resume-warmup "$R/warmup")
+pack() {  # the warm-up into $OUT as pieces of 15 MiB and their checksum
+    rm -f "$OUT/$NAME".tgz.part-* "$OUT/$NAME.tgz.sha256"
+    tar czf "$R/warmup.tgz" -C "$R" warmup || exit 1
+    (cd "$R" && sha256sum warmup.tgz) > "$OUT/$NAME.tgz.sha256"
+    split -b 15m -d "$R/warmup.tgz" "$OUT/$NAME.tgz.part-" && rm -f "$R/warmup.tgz"
+    cp "$R/warmup.log" "$OUT/${NAME}_warmup.log" 2>/dev/null
+}
+link() {  # train the warm-up for $1 seconds (continuing a saved one), save it; its exit status
+    local resume=() status from
+    [ -f "$SAVED" ] && resume=(--resume-warmup "$R/warmup")
+    from=$(($(cat "$R/warmup.log" 2>/dev/null | wc -l) + 1))  # this link's lines start there
     CUDA_VISIBLE_DEVICES=0 MASTER_PORT=29651 timeout $(($1 + 240)) python3 \
         examples/pretrain_tiny.py $RECIPE --runs dense "${resume[@]}" --save-warmup "$R/warmup" \
         --warmup-seconds "$1" --out-dir "$R/dense" >> "$R/warmup.log" 2>&1
-    echo "warm-up link exit $?"
-    grep -v -i warn "$R/warmup.log" | grep "exact match\|saved\|loaded\|curriculum:\|step .*00/" \
-        | tail -n 40
+    status=$?
+    echo "warm-up link exit $status"
+    tail -n +"$from" "$R/warmup.log" | grep -v -i warn \
+        | grep "exact match\|saved\|loaded\|curriculum:\|step .*00/" | tail -n 40
+    if [ "$status" != 0 ]; then
+        [ "$status" = 124 ] && echo "the link ran past $(($1 + 240)) s and was stopped: its" \
+            "steps were not saved (the warm-up is as it was before this link)"
+        echo "--- end of $R/warmup.log:"
+        tail -n +"$from" "$R/warmup.log" | grep -v -i warn | tail -n 15
+    fi
+    return "$status"
 }
 
 restore
-if [ "${PHASE:-warmup}" = warmup ]; then
-    if [ -n "${B_FLAGS:-}" ] && [ "$gpus" -ge 2 ]; then
+if [ "$PHASE" = warmup ]; then
+    done_steps=$(saved_step) || exit 1
+    if [ "$done_steps" -ge "$WARMUP" ]; then
+        echo "the warm-up is complete (step $done_steps of $WARMUP): run PHASE=variants"
+        pack; ls -la "$OUT"; exit 0
+    fi
+    if [ -n "${B_FLAGS:-}" ] && [ "$gpus" -lt 2 ]; then
+        echo "B_FLAGS set but only $gpus GPU: lane B does not run"
+    elif [ -n "${B_FLAGS:-}" ]; then
+        rm -rf "$R/b_warmup"  # lane B starts from scratch every call
         CUDA_VISIBLE_DEVICES=1 MASTER_PORT=29751 timeout $((${WARMUP_S:-470} + 240)) python3 \
             examples/pretrain_tiny.py $RECIPE $B_FLAGS --runs dense --save-warmup "$R/b_warmup" \
             --warmup-seconds "${WARMUP_S:-470}" --out-dir "$R/b" > "$R/b.log" 2>&1 &
     fi
-    link "${WARMUP_S:-470}"
+    link "${WARMUP_S:-470}"; status=$?
     wait
     if [ -f "$R/b.log" ]; then
         echo "=== lane B (${B_FLAGS:-})"
-        grep -v -i warn "$R/b.log" | grep "exact match\|saved\|curriculum:\|step .*00/" | tail -n 30
+        grep -v -i warn "$R/b.log" | grep "exact match\|saved\|curriculum:\|step .*00/\|error\|invalid\|  - " \
+            | tail -n 30
         cp "$R/b.log" "$OUT/${NAME}_b.log"
     fi
-    rm -f "$OUT/$NAME".tgz.part-*
-    tar czf - -C "$R" warmup | split -b 15m -d - "$OUT/$NAME.tgz.part-"
-    cp "$R/warmup.log" "$OUT/${NAME}_warmup.log"; ls -la "$OUT"
-    exit 0
+    [ -f "$SAVED" ] && pack
+    ls -la "$OUT"
+    exit "$status"
 fi
 
-done_steps=$(saved_step)
+done_steps=$(saved_step) || exit 1
 if [ "$done_steps" -lt "$WARMUP" ]; then
     echo "warm-up at step $done_steps of $WARMUP: finishing it (at most ${FINISH_S:-200} s)"
     link "${FINISH_S:-200}"
-    done_steps=$(saved_step)
+    done_steps=$(saved_step) || exit 1
 fi
 if [ "$done_steps" -lt "$WARMUP" ]; then
     echo "warm-up still at step $done_steps of $WARMUP: returned for another link"
-    rm -f "$OUT/$NAME".tgz.part-*
-    tar czf - -C "$R" warmup | split -b 15m -d - "$OUT/$NAME.tgz.part-"
-    cp "$R/warmup.log" "$OUT/${NAME}_warmup.log"
+    [ -f "$SAVED" ] && pack
     exit 1
 fi
-port=29660; i=0
+port=29660; i=0; pids=()
+rm -f "$R"/{msa,random,local,dense}/metrics.json  # the report must not show an earlier call's
 visible=(${CUDA_VISIBLE_DEVICES:+${CUDA_VISIBLE_DEVICES//,/ }})
 for run in msa random local dense; do
     port=$((port + 1)); gpu=$((i % gpus)); i=$((i + 1))
@@ -114,12 +170,17 @@ for run in msa random local dense; do
     CUDA_VISIBLE_DEVICES=$gpu MASTER_PORT=$port timeout "${LANE_S:-270}" python3 \
         examples/pretrain_tiny.py $RECIPE --runs "$run" --load-warmup "$R/warmup" \
         --out-dir "$R/$run" > "$R/$run.log" 2>&1 &
+    pids+=($!)
 done
-wait
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=1; done
 for run in msa random local dense; do
-    echo "=== $run"; grep -v -i warn "$R/$run.log" | grep "exact match\|held-out\|Error" | tail -n 4
+    echo "=== $run"
+    grep -v -i warn "$R/$run.log" | grep "exact match\|held-out\|Error\|error:\|invalid\|  - " \
+        | tail -n 4
 done
-python3 examples/retrieval_report.py "$R"
+python3 examples/retrieval_report.py "$R" || status=1
 for f in json md png; do cp "$R/retrieval.$f" "$OUT/retrieval_$NAME.$f" 2>/dev/null; done
 tar czf "$OUT/retrieval_${NAME}_logs.tgz" "$R"/*.log "$R"/*/metrics.json 2>/dev/null
 ls -la "$OUT"
+exit "$status"

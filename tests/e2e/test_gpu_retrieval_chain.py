@@ -1,0 +1,82 @@
+"""benchmarks/gpu_retrieval_chain.sh on CPU at a tiny size: its PHASE flow (a warm-up link
+returned as pieces with a checksum, carried into the next call, the variants and the report),
+and its refusals (an unknown PHASE, pieces of two calls mixed). No GPU: the tiny example falls
+back to CPU when no CUDA device is visible and EXTRA shrinks the recipe."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = "benchmarks/gpu_retrieval_chain.sh"
+TINY = ("--device cpu --dtype fp32 --layers 1 --hidden 64 --ffn-hidden 128 --heads 2 "
+        "--index-head-dim 32 --block-size 16 --top-k 3 --pairs 8 --queries 4 --key-vocab 8 "
+        "--task-curriculum-gate 3.0 --task-curriculum-span 2 --eval-windows 1 --log-interval 1 "
+        "--probe-interval 0")
+
+
+@pytest.fixture
+def tree(tmp_path):
+    """A working directory that looks like the repository root (the script's paths are
+    relative to it), with its own runs/."""
+    root = tmp_path / "repo"
+    root.mkdir()
+    for name in ("benchmarks", "examples", "msa_megatron"):
+        (root / name).symlink_to(REPO / name)
+    return root
+
+
+def _chain(root, out, **env):
+    full = dict(os.environ, OMP_NUM_THREADS="1", OUT=str(out), LEN_TASK="256", WINDOW="512",
+                WARMUP="6", STEPS="8", TAG="_t", EXTRA=TINY, CUDA_VISIBLE_DEVICES="")
+    full.update(env)
+    return subprocess.run(["bash", SCRIPT], cwd=root, env=full, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_unknown_phase_is_refused(tree, tmp_path):
+    proc = _chain(tree, tmp_path / "out", PHASE="variant")
+    assert proc.returncode == 2 and "PHASE=variant: use PHASE=warmup or PHASE=variants" in (
+        proc.stderr)
+    assert not (tree / "runs").exists()  # nothing was started
+
+
+def test_pieces_of_two_calls_mixed_are_refused(tree, tmp_path):
+    carry = tree / "runs" / "carry"
+    carry.mkdir(parents=True)
+    (carry / "r256_t.tgz.part-00").write_bytes(b"piece of one call")
+    (carry / "r256_t.tgz.part-01").write_bytes(b"piece of another")
+    (carry / "r256_t.tgz.sha256").write_text("0" * 64 + "  warmup.tgz\n")
+    proc = _chain(tree, tmp_path / "out", PHASE="variants")
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "do not match" in proc.stderr and "carry exactly the files of one call" in proc.stderr
+    assert not (tree / "runs" / "r256_t" / "msa.log").exists()  # no variant started
+
+
+@pytest.mark.slow
+def test_warmup_link_carried_into_the_variants(tree, tmp_path):
+    out = tmp_path / "out"
+    first = _chain(tree, out, PHASE="warmup", WARMUP_S="5")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    pieces = sorted(p.name for p in out.glob("r256_t.tgz.*"))
+    assert pieces == ["r256_t.tgz.part-00", "r256_t.tgz.sha256"], pieces
+    # a fresh machine: only the carried pieces
+    shutil.rmtree(tree / "runs")
+    carry = tree / "runs" / "carry"
+    carry.mkdir(parents=True)
+    for name in pieces:
+        shutil.copy(out / name, carry / name)
+    second = _chain(tree, tmp_path / "out2", PHASE="variants", FINISH_S="30")
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "warm-up unpacked from runs/carry (1 pieces)" in second.stdout
+    report = (tmp_path / "out2" / "retrieval_r256_t.md").read_text()
+    for label in ("dense attention", "MSA, KL-trained index", "MSA, frozen random index",
+                  "own block only"):
+        assert label in report
+    again = _chain(tree, tmp_path / "out3", PHASE="warmup", WARMUP_S="5")
+    assert again.returncode == 0 and "the warm-up is complete (step 6 of 6)" in again.stdout

@@ -1360,7 +1360,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "msa,random,local,dense)")
     p.add_argument("--save-warmup", type=Path, default=None,
                    help="after the dense warm-up, save model, optimizer and history here (one "
-                        "file per rank), so that variants can later run as separate processes")
+                        "file per rank), so that variants can later run as separate processes; "
+                        "a partial warm-up there is continued (--resume-warmup), not replaced")
     p.add_argument("--load-warmup", type=Path, default=None,
                    help="skip the warm-up: start the variants from a --save-warmup directory "
                         "written by a run with the same model, data and warm-up settings")

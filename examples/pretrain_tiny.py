@@ -1452,6 +1452,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                     "dense warm-up, but --warmup-steps is 0")
         if args.task_curriculum_span < 1:
             p.error(f"--task-curriculum-span ({args.task_curriculum_span}) must be >= 1")
+        if gate and args.task_curriculum_span >= args.warmup_steps:
+            p.error(f"--task-curriculum-span ({args.task_curriculum_span}) must be shorter than "
+                    f"--warmup-steps ({args.warmup_steps}): the gate averages that many warm-up "
+                    "steps before the length can first grow")
         if not gate and args.task_curriculum_span != p.get_default("task_curriculum_span"):
             p.error(f"--task-curriculum-span ({args.task_curriculum_span}) is the window of "
                     "--task-curriculum-gate, which is not given")

@@ -158,7 +158,8 @@ def test_run_tiny_rejects_a_bad_environment_before_installing():
 
 _RETRIEVAL = ["--device", "cpu", "--task", "retrieval", "--record-format", "fused",
               "--steps", "8", "--warmup-steps", "6", "--seq-len", "512", "--task-len", "256",
-              "--task-len-min", "32", "--task-curriculum-gate", "3.0", "--layers", "1",
+              "--task-len-min", "32", "--task-curriculum-gate", "3.0",
+              "--task-curriculum-span", "2", "--layers", "1",
               "--hidden", "64", "--ffn-hidden", "128", "--heads", "2", "--query-groups", "2",
               "--block-size", "16", "--top-k", "3", "--index-head-dim", "32", "--pairs", "8",
               "--queries", "4", "--key-vocab", "8", "--min-distance", "64", "--dtype", "fp32"]
@@ -182,7 +183,8 @@ def _fake_warmup(tiny, directory, step, world=1, argv=(), **settings):
                                                     "--warmup-steps 6]"),
     (["--save-warmup", "w", "--warmup-seconds", "nan"], "--warmup-seconds nan must be a finite"),
     (["--save-warmup", "w", "--warmup-seconds", "inf"], "--warmup-seconds inf must be a finite"),
-    (["--save-warmup", "w", "--warmup-steps", "0", "--task-curriculum-gate", "0"],
+    (["--save-warmup", "w", "--warmup-steps", "0", "--task-curriculum-gate", "0",
+      "--task-curriculum-span", "50"],
      "--save-warmup needs a dense warm-up, but --warmup-steps is 0"),
 ])
 def test_chained_warmup_edge_values_are_named(tiny, argv, needle):
@@ -257,6 +259,8 @@ def test_bad_warmup_directory_exits_with_one_line_and_no_traceback(tmp_path):
     ([*_RETRIEVAL, "--warmup-steps", "0"], "--task-curriculum-gate (3.0) grows the training "
                                            "length during the dense warm-up, but "
                                            "--warmup-steps is 0"),
+    ([*_RETRIEVAL, "--task-curriculum-span", "6"], "--task-curriculum-span (6) must be shorter "
+                                                   "than --warmup-steps (6)"),
     ([*_RETRIEVAL, "--task-curriculum-gate", "0", "--task-curriculum-span", "10"],
      "--task-curriculum-span (10) is the window of --task-curriculum-gate, which is not given"),
 ])

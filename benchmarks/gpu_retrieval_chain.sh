@@ -49,6 +49,12 @@ case "$PHASE" in warmup|variants) ;;
     *) echo "gpu_retrieval_chain.sh: PHASE=$PHASE: use PHASE=warmup or PHASE=variants" >&2
        exit 2 ;;
 esac
+for var in LEN_TASK WINDOW WARMUP STEPS TOPK WARMUP_S FINISH_S LANE_S; do
+    case "${!var:-1}" in
+        ''|*[!0-9]*) echo "gpu_retrieval_chain.sh: $var=${!var} must be a whole number" >&2
+                     exit 2 ;;
+    esac
+done
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 . benchmarks/gpu_env.sh
 LEN_TASK=${LEN_TASK:-8192}; WINDOW=${WINDOW:-16384}; WARMUP=${WARMUP:-5000}

@@ -44,6 +44,9 @@ def test_unknown_phase_is_refused(tree, tmp_path):
     assert proc.returncode == 2 and "PHASE=variant: use PHASE=warmup or PHASE=variants" in (
         proc.stderr)
     assert not (tree / "runs").exists()  # nothing was started
+    proc = _chain(tree, tmp_path / "out", PHASE="warmup", WARMUP_S="1.5")
+    assert proc.returncode == 2 and "WARMUP_S=1.5 must be a whole number" in proc.stderr
+    assert not (tree / "runs").exists()
 
 
 def test_pieces_of_two_calls_mixed_are_refused(tree, tmp_path):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 19 on 1 or 2 H200s, recipe v3 (examples/README.md "Making dense attention learn the
 # task"): a dense warm-up chained over device calls, then the comparison msa / random / local /
-# dense from its end. Successor of gpu_retrieval_fused.sh.
+# dense from its end. Successor of gpu_retrieval_fused.sh (commit fbf44b4).
 #
 #   PHASE=warmup    one link of the warm-up on GPU 0: continue the carried (or kept) warm-up,
 #                   train WARMUP_S seconds, save it; it comes back as $OUT/$NAME.tgz.part-NN

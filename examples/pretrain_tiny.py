@@ -203,11 +203,7 @@ class FillerCursor:
         return self
 
     def __next__(self) -> int:
-        while self._offset >= len(self._data):
-            self._open(self._counter + 1, 0)
-        byte = self._data[self._offset]
-        self._offset += 1
-        return byte
+        return self.take(1)[0]
 
     def take(self, count: int) -> List[int]:
         """The next ``count`` bytes (fewer only if every file is empty: then ValueError)."""
@@ -262,8 +258,8 @@ class RetrievalWindowStream:
         self.index = 0  # number of the next window
         # Gated curriculum (--task-curriculum-gate): the longest length of the warm-up's windows
         # grows only when the training answer loss says the current lengths are learned.
-        self.gate = getattr(args, "task_curriculum_gate", 0.0) if self.curriculum == 0 else 0.0
-        self.gate = self.gate if mixed and self.shortest < self.spec.length else 0.0
+        gated = mixed and self.curriculum == 0 and self.shortest < self.spec.length
+        self.gate = getattr(args, "task_curriculum_gate", 0.0) if gated else 0.0
         self.gated_longest = self.shortest
         self.recent: List[float] = []  # answer losses since the last growth
 
@@ -834,6 +830,32 @@ def warmup_settings_differ(saved: Dict[str, object], args: argparse.Namespace) -
                      if v != getattr(args, k, None))
 
 
+def saved_warmup_problem(flag: str, directory: Path, settings: Dict[str, object], step: int,
+                         args: argparse.Namespace) -> Optional[str]:
+    """Why the warm-up saved in ``directory`` (its ``settings`` and ``step``) cannot serve
+    ``flag`` (``--load-warmup`` or ``--resume-warmup``) with these ``args``: other settings, a
+    partial warm-up to load, a complete one or a step at or past ``--warmup-until`` to resume
+    for a chained link. None: it can. Checked at start-up (:func:`check_warmup_dirs`) and again
+    by :func:`load_warmup` on the file it loads."""
+    differ = warmup_settings_differ(settings, args)
+    if differ:
+        return f"{flag} {directory} was saved with other settings (saved, now): " + differ
+    if flag == "--load-warmup" and step < args.warmup_steps:
+        return (f"--load-warmup {directory} holds a partial warm-up (step {step} of "
+                f"{args.warmup_steps}): continue it with --resume-warmup {directory}")
+    chained = " and ".join(f for f, v in (("--warmup-until", args.warmup_until),
+                                           ("--warmup-seconds", args.warmup_seconds))
+                           if v is not None)
+    if flag == "--resume-warmup" and chained and step >= args.warmup_steps:
+        return (f"--resume-warmup {directory} holds the complete warm-up (step {step} of "
+                f"{args.warmup_steps}): nothing is left for {chained}; start the variants with "
+                f"--load-warmup {directory}")
+    if flag == "--resume-warmup" and args.warmup_until is not None and args.warmup_until <= step:
+        return (f"--warmup-until {args.warmup_until} is not past the step of --resume-warmup "
+                f"{directory} ({step} of {args.warmup_steps})")
+    return None
+
+
 def check_warmup_dirs(args: argparse.Namespace, world_size: int) -> List[str]:
     """The problems of the warm-up flags (``--save-warmup``, ``--load-warmup``,
     ``--resume-warmup``, ``--warmup-until``, ``--warmup-seconds``) that need the saved files:
@@ -845,9 +867,6 @@ def check_warmup_dirs(args: argparse.Namespace, world_size: int) -> List[str]:
     Reads only the small header of each file (settings and step; the tensors are memory-mapped,
     not read). Returns one message per problem (empty: all good)."""
     errors: List[str] = []
-    chained = " and ".join(f for f, v in (("--warmup-until", args.warmup_until),
-                                           ("--warmup-seconds", args.warmup_seconds))
-                           if v is not None)
 
     def header(directory: Path, flag: str, errors: List[str]) -> Optional[Dict[str, object]]:
         """Settings and step of the warm-up in ``directory`` for ``world_size`` processes;
@@ -895,23 +914,9 @@ def check_warmup_dirs(args: argparse.Namespace, world_size: int) -> List[str]:
         saved = header(directory, flag, errors)
         if saved is None:
             continue
-        differ = warmup_settings_differ(saved["settings"], args)
-        if differ:
-            errors.append(f"{flag} {directory} was saved with other settings (saved, now): "
-                          + differ)
-            continue
-        step = saved["step"]
-        if flag == "--load-warmup" and step < args.warmup_steps:
-            errors.append(f"--load-warmup {directory} holds a partial warm-up (step {step} of "
-                          f"{args.warmup_steps}): continue it with --resume-warmup {directory}")
-        elif flag == "--resume-warmup" and chained and step >= args.warmup_steps:
-            errors.append(f"--resume-warmup {directory} holds the complete warm-up (step {step} "
-                          f"of {args.warmup_steps}): nothing is left for {chained}; start the "
-                          f"variants with --load-warmup {directory}")
-        elif (flag == "--resume-warmup" and args.warmup_until is not None
-              and args.warmup_until <= step):
-            errors.append(f"--warmup-until {args.warmup_until} is not past the step of "
-                          f"--resume-warmup {directory} ({step} of {args.warmup_steps})")
+        problem = saved_warmup_problem(flag, directory, saved["settings"], saved["step"], args)
+        if problem:
+            errors.append(problem)
     save = args.save_warmup
     resumed = args.resume_warmup
     if (save is not None and save.is_dir()
@@ -958,9 +963,9 @@ def load_warmup(args: argparse.Namespace, model: GPTModel, optimizer: torch.opti
     saved step's window without rebuilding the earlier ones. Returns ``(history, step)``: the
     warm-up history and the number of warm-up steps it holds.
 
-    Raises ValueError when the file is missing, a setting of :data:`WARMUP_KEYS` differs (the
-    run would not continue the same one), or ``--load-warmup`` names a partial warm-up (one
-    link of a chained warm-up: continue it with ``--resume-warmup``)."""
+    Raises ValueError when the file is missing or the saved warm-up cannot serve the flag
+    (:func:`saved_warmup_problem`: other :data:`WARMUP_KEYS` settings, a partial warm-up given to
+    ``--load-warmup``, nothing left to resume for a chained link)."""
     directory = args.load_warmup if args.load_warmup is not None else args.resume_warmup
     flag = "--load-warmup" if args.load_warmup is not None else "--resume-warmup"
     path = _warmup_file(directory)
@@ -968,14 +973,10 @@ def load_warmup(args: argparse.Namespace, model: GPTModel, optimizer: torch.opti
         raise ValueError(f"{flag} {directory}: no {path.name} (saved with another "
                          f"world size, or not a --save-warmup directory)")
     state = torch.load(path, map_location="cpu", weights_only=True)
-    differ = warmup_settings_differ(state["settings"], args)
-    if differ:
-        raise ValueError(f"{flag} {directory} was saved with other settings "
-                         "(saved, now): " + differ)
     step = int(state.get("step", args.warmup_steps))  # older saves: complete warm-ups only
-    if step < args.warmup_steps and args.load_warmup is not None:
-        raise ValueError(f"--load-warmup {directory} holds a partial warm-up (step {step} of "
-                         f"{args.warmup_steps}): continue it with --resume-warmup {directory}")
+    problem = saved_warmup_problem(flag, directory, state["settings"], step, args)
+    if problem:  # checked at start-up; here again, on the file actually loaded
+        raise ValueError(problem)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     if isinstance(train_windows, LazyWindows):

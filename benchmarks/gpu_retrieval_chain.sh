@@ -58,7 +58,7 @@ done
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 . benchmarks/gpu_env.sh
 LEN_TASK=${LEN_TASK:-8192}; WINDOW=${WINDOW:-16384}; WARMUP=${WARMUP:-5000}
-STEPS=${STEPS:-$((WARMUP + 400))}; TOPK=${TOPK:-8}
+STEPS=${STEPS:-$((WARMUP + 400))}; TOPK=${TOPK:-8}; WARMUP_S=${WARMUP_S:-470}
 NAME=r$LEN_TASK${TAG:-}; R=runs/$NAME
 RECIPE="--task retrieval --record-format fused --seq-len $WINDOW --task-len $LEN_TASK
  --task-len-min 64 --task-curriculum-gate ${GATE:-1.0} --task-question-every 8 --pairs 32
@@ -139,11 +139,11 @@ if [ "$PHASE" = warmup ]; then
         echo "B_FLAGS set but only $gpus GPU: lane B does not run"
     elif [ -n "${B_FLAGS:-}" ]; then
         rm -rf "$R/b_warmup"  # lane B starts from scratch every call
-        CUDA_VISIBLE_DEVICES=1 MASTER_PORT=29751 timeout $((${WARMUP_S:-470} + 240)) python3 \
+        CUDA_VISIBLE_DEVICES=1 MASTER_PORT=29751 timeout $((WARMUP_S + 240)) python3 \
             examples/pretrain_tiny.py $RECIPE $B_FLAGS --runs dense --save-warmup "$R/b_warmup" \
-            --warmup-seconds "${WARMUP_S:-470}" --out-dir "$R/b" > "$R/b.log" 2>&1 &
+            --warmup-seconds "$WARMUP_S" --out-dir "$R/b" > "$R/b.log" 2>&1 &
     fi
-    link "${WARMUP_S:-470}"; status=$?
+    link "$WARMUP_S"; status=$?
     wait
     if [ -f "$R/b.log" ]; then
         echo "=== lane B (${B_FLAGS:-})"

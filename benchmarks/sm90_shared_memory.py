@@ -20,7 +20,9 @@ is recorded as the GPU sets it (False: only the interpreter upcasts bf16 product
 compiled as it runs on the H200.
 
 Each line also gives ptxas' registers per thread and spill stores / loads in bytes (``ptxas -v``
-of the compiled kernel). ``compile PATH NAME[,NAME...]`` compiles only the kernels so named.
+of the compiled kernel) and how many programs of the kernel fit one multiprocessor (the
+occupancy a persistent grid should be sized by). ``compile PATH NAME[,NAME...]`` compiles only
+the kernels so named.
 
 Exit status 1 when a kernel fails to compile or needs more than the limit.
 """
@@ -50,6 +52,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
 SHARED_LIMIT = 232448  # bytes per block on sm_90 (227 KiB)
+SM_SHARED = 233472  # bytes per multiprocessor on sm_90 (228 KiB)
 POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16",
                  torch.int32: "*i32", torch.int64: "*i64", torch.int8: "*i8", torch.bool: "*i1"}
 
@@ -114,12 +117,18 @@ def record_launches():
     return launches
 
 
-def ptxas_usage(log: str) -> str:
-    """``regs R spill S/L`` (bytes of spill stores / loads) from a ``ptxas -v`` log."""
+def ptxas_usage(log: str, shared: int, warps: int) -> str:
+    """``regs R spill S/L fit/SM N`` from a ``ptxas -v`` log: bytes of spill stores / loads and
+    the programs that fit one sm_90 multiprocessor (65536 registers, allocated per warp in units
+    of 256; 228 KiB of shared memory, 1 KiB of it reserved per program; 64 warps)."""
     regs = re.search(r"Used (\d+) registers", log)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    fit = "?"
+    if regs:
+        per_warp = -(-int(regs.group(1)) * 32 // 256) * 256
+        fit = min(65536 // (per_warp * warps), SM_SHARED // (shared + 1024), 64 // warps)
     return (f"regs {regs.group(1) if regs else '?'} "
-            f"spill {spill.group(1) + '/' + spill.group(2) if spill else '?'}")
+            f"spill {spill.group(1) + '/' + spill.group(2) if spill else '?'} fit/SM {fit}")
 
 
 def compile_launches(launches, names=None) -> int:
@@ -155,7 +164,7 @@ def compile_launches(launches, names=None) -> int:
             bad += over
             print(f"{'OVER' if over else 'ok  '} {name} {shown} warps {warps} "
                   f"stages {options.get('num_stages', 'default')} shared {shared} "
-                  f"{ptxas_usage(log.getvalue())}")
+                  f"{ptxas_usage(log.getvalue(), shared, warps)}")
         except Exception as error:  # a compile error is a finding, not a crash of the tool
             bad += 1
             print(f"FAIL {name} {shown}: {type(error).__name__}: {str(error)[-300:]}")

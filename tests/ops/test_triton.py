@@ -165,6 +165,7 @@ ATTN_CASES = [
     ([60, 0, 37, 9], 16, 1, 1, 32, 16, 3, torch.float16, False),  # G = 16, zero-length doc
     ([30, 1, 17], 4, 1, 2, 16, 16, 2, torch.float16, False),  # Hi > Hkv, partial blocks
     ([64], 4, 2, 2, 16, 16, 2, torch.bfloat16, True),  # Tk > Tq
+    ([5, 40, 3, 70, 0, 33, 1], 16, 2, 2, 16, 32, 2, torch.float16, False),  # short docs, B 32
 ]
 
 
@@ -271,8 +272,8 @@ def test_chunks_and_key_subtiles_match_reference(monkeypatch):
 
     monkeypatch.setattr(_common, "PARTIAL_QS", 0)  # every consumer splits into 16 chunks
     monkeypatch.setattr(_common, "PARTIAL_MIN_BYTES", 1)
-    for module in (backward, kl_loss):
-        monkeypatch.setattr(module, "KEY_SUBTILE", 16)
+    monkeypatch.setattr(kl_loss, "KEY_SUBTILE", 16)
+    monkeypatch.setattr(backward, "ITEM_KEYS", 16)
     q, k, v, q_pos, q_kbase = _attention_inputs([45, 0, 30], 4, 2, 2, 16, torch.float32, False)
     q_idx = _randn(q.shape[0], 2, 16, dtype=torch.float32)
     k_idx = _randn(k.shape[0], 1, 16, dtype=torch.float32)

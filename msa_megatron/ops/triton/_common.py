@@ -105,12 +105,14 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def persistent_programs(device: torch.device, work_items: int) -> int:
-    """Program count of a persistent kernel over ``work_items`` items (>= 1)."""
+def persistent_programs(device: torch.device, work_items: int,
+                        per_sm: int = PROGRAMS_PER_SM) -> int:
+    """Program count of a persistent kernel over ``work_items`` items (>= 1): ``per_sm`` per
+    multiprocessor (the kernel's occupancy, or more for a strided item loop)."""
     if device.type != "cuda":
         return max(1, min(work_items, INTERPRETER_PROGRAMS))
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return max(1, min(work_items, PROGRAMS_PER_SM * _sm_count(index)))
+    return max(1, min(work_items, per_sm * _sm_count(index)))
 
 
 @triton.jit

@@ -1,14 +1,16 @@
-"""Main-branch backward, deterministic (no atomics).
+"""Main-branch backward, deterministic (no float atomics).
 
 ``delta = rowsum(dO * O)`` first (:func:`_delta_kernel`).
 
 Sparse mode, key-block-outer like the forward (same reverse index): per chunk of query tokens,
-one work item per (KV group, selected start row, sub-tile of ``KEY_SUBTILE`` key rows)
-recomputes ``P`` for the (token, head) rows of the chunk that selected the block, in the
-index's fixed order (token-ascending), adds ``P^T dO`` and ``dS^T Q`` to fp32 dK/dV
-accumulators of its own key rows, and writes the rows' partial ``dQ = dS K`` for that sub-tile;
-partials are summed per row in slot order afterwards. Chunks run one after the other, so the
-gradients are bitwise deterministic.
+one work item per (KV group, selected start row; a whole block of up to ``ITEM_KEYS`` key rows,
+else sub-tiles of that many) recomputes ``P`` for the (token, head) rows of the chunk that
+selected the block, in the index's fixed order (token-ascending), adds ``P^T dO`` and
+``dS^T Q`` to fp32 dK/dV accumulators of its own key rows, and writes the rows' partial
+``dQ = dS K`` for that block; partials are summed per row in slot order afterwards. Products
+run with the keys as rows (swap-AB, :func:`_kv_rows_step`). Items are dealt by an integer
+counter, but each owns its key rows and partial rows, and chunks run one after the other, so
+the gradients are bitwise deterministic.
 
 Dense mode: dQ query-outer (one program per tokens x heads of an index head, walking key
 tiles), dK/dV key-tile-outer over the query tiles that can see the tile
@@ -22,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    ALL_ROWS, DENSE_KEY_TILE, FULL_ROWS, GATHER_ROWS, KEY_SUBTILE, SPARSE_ROWS, dot_flags, mma,
+    ALL_ROWS, DENSE_KEY_TILE, FULL_ROWS, GATHER_ROWS, SPARSE_ROWS, dot_flags, mma,
     partial_budget, persistent_programs, row_filter, stage_options, support_mask, tile_rows,
 )
 from ._isolation import launch_both, nonfinite, nonfinite_flag, skip, support_mma
@@ -34,6 +36,28 @@ from .reverse_index import (
 
 # Rows of one tile of the delta kernel.
 _DELTA_ROWS = 64
+# Key-row-owning kernels (_attn_bwd_blocks_kernel, _attn_bwd_dkdv_dense_kernel): key rows per
+# program (a whole block of B <= 128 in the sparse items: each gathered Q/dO row and each dQ
+# partial serves all of the block's keys), (token, head) rows per tile (the N of the swap-AB
+# products). At 128 keys, 32 rows, 8 warps the item kernel needs 255 registers without spills
+# and 105 KiB of shared memory on sm_90 (benchmarks/NOTES.md, "v8 -> v9"): one program per
+# multiprocessor; two at 4 warps (64 keys, fp32 inputs).
+ITEM_KEYS = 128
+ITEM_ROWS = 32
+
+
+def key_tiling(dtype: torch.dtype, block_size: int) -> tuple:
+    """``(KS, num_warps)`` of the key-row-owning kernels: ``min(block_size, ITEM_KEYS)`` key
+    rows (half for 4-byte elements, whose tiles take twice the shared memory; at least 16) at
+    8 warps for 128 key rows (two warpgroups, 64 rows each), else 4."""
+    ks = min(block_size, max(16, ITEM_KEYS if dtype.itemsize <= 2 else ITEM_KEYS // 2))
+    return ks, 8 if ks >= 128 else 4
+
+
+def programs_per_sm(num_warps: int) -> int:
+    """Co-resident programs of the item kernel per multiprocessor (sm_90 registers: 255 per
+    thread fit 8 warps once, 4 warps twice)."""
+    return 1 if num_warps >= 8 else 2
 
 
 @triton.jit
@@ -92,9 +116,12 @@ def _kv_rows_step(dk, dv, kt, vt, krow, kmask, t, h, valid, q_ptr, do_ptr, lse_p
                   qpos_ptr, qkb_ptr, s_qt, s_qh, s_lt, scale,
                   D: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
                   ISO: tl.constexpr):
-    """One tile of (token, head) rows against key rows ``krow``: adds to dK, dV; returns the
-    rows' ``dS`` (fp32, softmax scale not applied, 0 off the support), the support mask and
-    the highest key row they reach."""
+    """One tile of (token, head) rows against key rows ``krow``, keys as the products' rows
+    (swap-AB: ``S^T = K Q^T``, ``dV += P^T dO``, ``dP^T = V dO^T``, ``dK += dS^T Q``): the
+    ``[keys, rows]`` tiles share the accumulators' row layout (no transposes) and the rows of
+    the tile can be fewer than 64. Adds to dK, dV; returns the rows' ``dS^T`` (fp32
+    ``[keys, rows]``, times the softmax scale, so dK needs no scaling; 0 off the support), the
+    support mask ``[keys, rows]`` and the highest key row the rows reach."""
     pos = tl.load(qpos_ptr + t, mask=valid, other=-1)
     kbase = tl.load(qkb_ptr + t, mask=valid, other=0)
     d = tl.arange(0, D)
@@ -104,38 +131,46 @@ def _kv_rows_step(dk, dv, kt, vt, krow, kmask, t, h, valid, q_ptr, do_ptr, lse_p
     l_off = t.to(tl.int64) * s_lt + h
     lse = tl.load(lse_ptr + l_off, mask=valid, other=float("inf"))
     delta = tl.load(delta_ptr + l_off, mask=valid, other=0.0)
-    s = mma(q, tl.trans(kt), UPCAST, IEEE) * scale
-    inside = support_mask(krow, kmask, kbase, pos, valid)
-    p = tl.where(inside, tl.exp(s - lse[:, None]), 0.0)
-    dv += support_mma(tl.trans(p.to(do.dtype)), do, nonfinite(do), tl.trans(inside), UPCAST, IEEE,
-                      ISO)
-    ds = tl.where(inside, p * (mma(do, tl.trans(vt), UPCAST, IEEE) - delta[:, None]), 0.0)
-    dk += support_mma(tl.trans(ds.to(q.dtype)), q, nonfinite(q), tl.trans(inside), UPCAST, IEEE,
-                      ISO)
-    return dk, dv, ds, inside, tl.max(tl.where(valid, kbase + pos, -1))
+    u = krow[:, None] - kbase[None, :]
+    inside = (u >= 0) & (u <= pos[None, :]) & valid[None, :] & kmask[:, None]
+    st = mma(kt, tl.trans(q), UPCAST, IEEE) * scale
+    pt = tl.where(inside, tl.exp(st - lse[None, :]), 0.0)
+    dv += support_mma(pt.to(do.dtype), do, nonfinite(do), inside, UPCAST, IEEE, ISO)
+    dpt = mma(vt, tl.trans(do), UPCAST, IEEE)
+    dst = tl.where(inside, pt * (dpt - delta[None, :]), 0.0) * scale
+    dk += support_mma(dst.to(q.dtype), q, nonfinite(q), inside, UPCAST, IEEE, ISO)
+    return dk, dv, dst, inside, tl.max(tl.where(valid, kbase + pos, -1))
 
 
 @triton.jit
 def _attn_bwd_blocks_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, qkb_ptr, dk_ptr, dv_ptr, pdq_ptr,
-    pair_ptr, off_ptr, starts_ptr, meta_ptr, sub_t0_ptr, grp_ptr, n_grp_ptr, sc0, sc1, Tk, scale,
+    pair_ptr, off_ptr, starts_ptr, meta_ptr, sub_t0_ptr, grp_ptr, n_grp_ptr, next_ptr, sc0, sc1,
+    Tk, scale,
     s_qt, s_qh, s_kt, s_kh, s_lt,
     HI: tl.constexpr, TOPK: tl.constexpr, HPI: tl.constexpr, HR: tl.constexpr,
     TOK: tl.constexpr, IPG: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
     SUB: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, ISO: tl.constexpr, bad_ptr,
 ):
     """Sparse dK/dV (added to fp32 ``dk``/``dv`` [Tk, Hkv, D]) and partial dQ rows
-    ``(flat * NSUB + sub) * HPI + hl`` of ``pdq`` for the pairs of sub-chunks ``sc0 .. sc1-1``;
-    persistent over (KV group x start row, key sub-tile): one program owns those key rows. Only
-    the ``n_grp_ptr[0]`` (KV group x start row) numbers listed in ``grp_ptr`` (those with pairs in
-    these sub-chunks, :func:`.reverse_index.chunk_groups`) are visited."""
+    ``(flat * NSUB + sub) * HPI + hl`` of ``pdq`` for the pairs of sub-chunks ``sc0 .. sc1-1``.
+
+    Persistent; items (KV group x start row, key sub-tile of ``KS`` rows; ``NSUB = BN // KS``,
+    1 by default: the whole block) are taken from the integer counter ``next_ptr[0]`` (0 at
+    launch), so a long item does not hold back the items dealt after it. One item owns its key
+    rows (no two items write the same dK/dV or partial row), so which program takes which
+    item does not change any result: bitwise deterministic. Only the ``n_grp_ptr[0]``
+    (KV group x start row) numbers listed in ``grp_ptr`` (those with pairs in these
+    sub-chunks, :func:`.reverse_index.chunk_groups`) are visited."""
     if skip(bad_ptr, ISO):
         return
     NSUB: tl.constexpr = BN // KS
     c = tl.arange(0, KS)
     d = tl.arange(0, D)
     f0 = tl.load(sub_t0_ptr + sc0) * (HI * TOPK)
-    for w in range(tl.program_id(0), tl.load(n_grp_ptr) * NSUB, tl.num_programs(0)):
+    n_items = tl.load(n_grp_ptr) * NSUB
+    w = tl.atomic_add(next_ptr, 1)
+    while w < n_items:
         gb = tl.load(grp_ptr + w // NSUB)
         g, _, s0 = bucket_rows(starts_ptr, meta_ptr, gb * IPG, IPG)
         krow = s0 + (w % NSUB) * KS + c
@@ -144,26 +179,40 @@ def _attn_bwd_blocks_kernel(
         kt = tl.load(k_ptr + off, mask=kmask[:, None], other=0.0)
         vt = tl.load(v_ptr + off, mask=kmask[:, None], other=0.0)
         k_bad = nonfinite(kt)
-        dk = tl.zeros([KS, D], tl.float32)
-        dv = tl.zeros([KS, D], tl.float32)
+        # The accumulators start from the fp32 buffers (earlier chunks, dense rows): the item's
+        # end is a plain store, not a read-modify-write beside both live accumulators.
+        o_row = krow.to(tl.int64) * s_kt + g * s_kh
+        dk = tl.load(dk_ptr + o_row[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
+        dv = tl.load(dv_ptr + o_row[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
         reach = -1
         for il in range(IPG):
             lo, hi = bucket_pairs(off_ptr, meta_ptr, gb * IPG + il, sc0, sc1, SUB)
             for p0 in range(lo, hi, TOK):
                 flat, t, i, hl, valid = pair_rows(pair_ptr, p0, hi, f0, HI, TOPK, HPI, HR, TOK)
-                dk, dv, ds, inside, rr = _kv_rows_step(dk, dv, kt, vt, krow, kmask, t,
-                                                       i * HPI + hl, valid, q_ptr, do_ptr,
-                                                       lse_ptr, delta_ptr, qpos_ptr, qkb_ptr,
-                                                       s_qt, s_qh, s_lt, scale, D, UPCAST, IEEE,
-                                                       ISO)
+                dk, dv, dst, inside, rr = _kv_rows_step(dk, dv, kt, vt, krow, kmask, t,
+                                                        i * HPI + hl, valid, q_ptr, do_ptr,
+                                                        lse_ptr, delta_ptr, qpos_ptr, qkb_ptr,
+                                                        s_qt, s_qh, s_lt, scale, D, UPCAST, IEEE,
+                                                        ISO)
                 reach = tl.maximum(reach, rr)
-                dq = support_mma(ds.to(kt.dtype), kt, k_bad, inside, UPCAST, IEEE, ISO) * scale
                 prow = (flat.to(tl.int64) * NSUB + w % NSUB) * HPI + hl
-                tl.store(pdq_ptr + prow[:, None] * D + d[None, :],
-                         dq.to(pdq_ptr.dtype.element_ty), mask=valid[:, None])
+                if ISO:
+                    dq = support_mma(tl.trans(dst.to(kt.dtype)), kt, k_bad, tl.trans(inside),
+                                     UPCAST, IEEE, ISO)
+                    tl.store(pdq_ptr + prow[:, None] * D + d[None, :],
+                             dq.to(pdq_ptr.dtype.element_ty), mask=valid[:, None])
+                else:  # dQ^T = K^T dS^T: D rows for the warpgroup MMA, K read from shared memory
+                    dqt = mma(tl.trans(kt), dst.to(kt.dtype), UPCAST, IEEE)
+                    tl.store(pdq_ptr + prow[None, :] * D + d[:, None],
+                             dqt.to(pdq_ptr.dtype.element_ty), mask=valid[None, :])
         out = (kmask & (krow <= reach))[:, None]  # rows past the sequence belong to others
-        tl.store(dk_ptr + off, tl.load(dk_ptr + off, mask=out, other=0.0) + dk * scale, mask=out)
-        tl.store(dv_ptr + off, tl.load(dv_ptr + off, mask=out, other=0.0) + dv, mask=out)
+        # Store addresses from the start row loaded again: the load's addresses, kept alive
+        # across the row loop, would cost about 30 registers (spilled).
+        _, _, s1 = bucket_rows(starts_ptr, meta_ptr, gb * IPG, IPG)
+        o_row = (s1 + (w % NSUB) * KS + c).to(tl.int64) * s_kt + g * s_kh
+        tl.store(dk_ptr + o_row[:, None] + d[None, :], dk, mask=out)
+        tl.store(dv_ptr + o_row[:, None] + d[None, :], dv, mask=out)
+        w = tl.atomic_add(next_ptr, 1)
 
 
 @triton.jit
@@ -203,7 +252,7 @@ def _attn_bwd_dkdv_dense_kernel(
                                             (g * IPG + ii) * HPI + hl, rows, q_ptr, do_ptr,
                                             lse_ptr, delta_ptr, qpos_ptr, qkb_ptr, s_qt, s_qh,
                                             s_lt, scale, D, UPCAST, IEEE, ISO)
-    tl.store(dk_ptr + off, (dk * scale).to(dk_ptr.dtype.element_ty), mask=kmask[:, None])
+    tl.store(dk_ptr + off, dk.to(dk_ptr.dtype.element_ty), mask=kmask[:, None])
     tl.store(dv_ptr + off, dv.to(dv_ptr.dtype.element_ty), mask=kmask[:, None])
 
 
@@ -273,19 +322,21 @@ def attention_backward(
         HPI=hpi, HR=hr, TOK=tok, IPG=ipg, D=D, BN=DENSE_KEY_TILE, HI=hi, FULL=which,
         UPCAST=upcast, IEEE=ieee, bad_ptr=bad, num_warps=warps_for(tok * hr), **opts,
     )
-    ks = KEY_SUBTILE
+    # Key-row-owning kernels (dense dK/dV, sparse items): keys as the products' rows.
+    ks, kwarps = key_tiling(q.dtype, block_size if sparse else ITEM_KEYS)
+    ktok, khr = query_tiling(hpi, tile_rows(ITEM_ROWS, q.dtype))
+    kopts = {**opts, "num_warps": kwarps}
     present = None if rev is None else rev.full.any(1)
-    qt_lo, qt_hi = query_tile_ranges(q_pos, q_kbase, Tk, tok, ks, present)
+    qt_lo, qt_hi = query_tile_ranges(q_pos, q_kbase, Tk, ktok, ks, present)
     launch_both(
         _attn_bwd_dkdv_dense_kernel, (triton.cdiv(Tk, ks), Hkv), q, k, v, dout, lse, delta,
         q_pos, q_kbase, full, dk, dv, qt_lo, qt_hi, Tq, Tk, scale,
-        *strides, HPI=hpi, HR=hr, TOK=tok, IPG=ipg, D=D, KS=ks, HI=hi, FULL=which,
-        UPCAST=upcast, IEEE=ieee, bad_ptr=bad, num_warps=warps_for(max(tok * hr, ks)), **opts,
+        *strides, HPI=hpi, HR=khr, TOK=ktok, IPG=ipg, D=D, KS=ks, HI=hi, FULL=which,
+        UPCAST=upcast, IEEE=ieee, bad_ptr=bad, **kopts,
     )
     if not sparse:
         return dq, dk, dv
     top_k = block_idx.shape[2]
-    ks = min(block_size, KEY_SUBTILE)
     nsub = block_size // ks
     per_query = Hq * top_k * nsub * D * q.element_size()
     chunks = chunk_count(Tq * per_query, partial_budget(q.numel() * q.element_size()))
@@ -293,15 +344,15 @@ def attention_backward(
     part = torch.empty((rows * hi * top_k * nsub * hpi, D), dtype=q.dtype, device=q.device)
     step = SUB_CHUNKS // chunks
     groups, n_groups = chunk_groups(rev, chunks)
+    taken = torch.zeros(chunks, dtype=torch.int32, device=q.device)  # item counter per launch
+    programs = persistent_programs(q.device, Hkv * Tk * nsub, programs_per_sm(kwarps))
     for ci, sc0 in enumerate(range(0, SUB_CHUNKS, step)):
         launch_both(
-            _attn_bwd_blocks_kernel, (persistent_programs(q.device, Hkv * Tk * nsub),), q, k, v,
-            dout, lse, delta, q_pos, q_kbase, dk, dv, part, rev.pair, rev.off,
-            rev.starts, rev.meta, rev.sub_t0, groups[ci], n_groups[ci:ci + 1], sc0, sc0 + step,
-            Tk, scale, *strides,
-            HI=hi, TOPK=top_k, HPI=hpi, HR=hr, TOK=tok, IPG=ipg, D=D, BN=block_size, KS=ks,
-            SUB=SUB_CHUNKS, UPCAST=upcast, IEEE=ieee, bad_ptr=bad,
-            num_warps=warps_for(max(tok * hr, ks)), **opts,
+            _attn_bwd_blocks_kernel, (programs,), q, k, v, dout, lse, delta, q_pos, q_kbase, dk,
+            dv, part, rev.pair, rev.off, rev.starts, rev.meta, rev.sub_t0, groups[ci],
+            n_groups[ci:ci + 1], taken[ci:ci + 1], sc0, sc0 + step, Tk, scale, *strides,
+            HI=hi, TOPK=top_k, HPI=hpi, HR=khr, TOK=ktok, IPG=ipg, D=D, BN=block_size, KS=ks,
+            SUB=SUB_CHUNKS, UPCAST=upcast, IEEE=ieee, bad_ptr=bad, **kopts,
         )
         sum_partials_kernel[(triton.cdiv(rows, tok), hi)](
             part, block_idx, q_pos, rev.full, dq, rev.sub_t0, sc0, sc0 + step,

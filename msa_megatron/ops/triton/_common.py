@@ -12,7 +12,8 @@ Hi index heads, Hik index key heads):
 - ``TOK``, ``HR``: a gathered row tile holds ``TOK`` tokens x ``HR`` rows per token (``HR``: the
   power of two >= ``HPI`` the heads are padded to; :func:`..forward.query_tiling`).
 - ``BN``: key rows per key tile (the block size B in the sparse kernels, ``DENSE_KEY_TILE`` in
-  the dense ones); ``KS``: key rows per sub-tile of the key-outer kernels (``KEY_SUBTILE``);
+  the dense ones); ``KS``: key rows per program of the key-outer kernels (``KEY_SUBTILE`` in
+  the KL kernels, ``backward.ITEM_KEYS`` in the backward);
   ``NSUB = BN // KS``; ``BM``: query rows per tile of the dense KL kernels.
 - ``TOPK``: selected blocks per row; ``SUB``: token sub-chunks of the reverse index;
   ``ITEM``: (token, index head) pairs per work item; ``UNIT``: the KL pass B's work unit, the
@@ -48,8 +49,9 @@ KL_ROWS = 128
 DENSE_ROWS = 128
 # Key-tile width of the dense (warmup) kernels.
 DENSE_KEY_TILE = 64
-# Key rows per program of the key-outer (gradient) kernels: a selected block is split in
-# sub-tiles of this many rows so two [rows, D] fp32 accumulators stay in registers.
+# Key rows per program of the KL's key-outer kernels: a selected block is split in sub-tiles
+# of this many rows so the fp32 accumulators stay in registers (the main backward's own:
+# backward.ITEM_KEYS).
 KEY_SUBTILE = 64
 # Per-(pair, head) partial results of one chunk of query tokens may take PARTIAL_QS times the
 # bytes of q, at least PARTIAL_MIN_BYTES; larger selections are processed in up to 16 chunks of

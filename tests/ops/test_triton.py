@@ -158,6 +158,71 @@ def test_select_breaks_ties_to_the_lower_block():
     assert last == [0, 1, 5], last  # two ties resolved low, plus the forced own block
 
 
+# Selection in its two kernels with tiny tiles, groups and chunks: tiles straddle documents, a
+# row's blocks come from several block-key programs, queries from several buffer chunks, and
+# the top-k walk takes few blocks per step (evictions among equal kept keys).
+SELECT_SMALL = dict(SELECT_ROWS=16, SELECT_ROWS_FP32=16, GROUP_BLOCKS=2, KEY_BUFFER_BYTES=4096,
+                    MIN_CHUNK_TOKENS=1, TOPK_ROWS=16, TOPK_CHUNK=2)
+ODD_SELECT_CASES = [
+    # lens, Hi, Hik, block, top_k, init, local
+    ([7], 2, 1, 16, 2, 0, 1),  # shorter than a block
+    ([33, 47], 1, 1, 16, 2, 0, 1),  # Hi / Hik = 1, lengths not a multiple of the block
+    ([100], 16, 1, 16, 3, 0, 1),  # 16 index heads on one index key head
+    ([3, 0, 17, 1, 5, 40, 2, 16, 31], 4, 2, 16, 2, 0, 1),  # many short documents
+    ([120], 2, 1, 16, 9, 1, 2),  # top_k larger than most prefixes
+    ([150, 70], 2, 1, 16, 16, 0, 1),  # top_k 16: a top-k row width of 16
+    ([200], 2, 1, 16, 17, 2, 1),  # top_k 17: width 32, padding slots
+]
+
+
+@pytest.mark.parametrize("case", ODD_SELECT_CASES,
+                         ids=lambda c: f"{c[0]}-Hi{c[1]}-Hik{c[2]}-k{c[4]}")
+@pytest.mark.parametrize("small", [False, True], ids=["default", "small-tiles"])
+def test_select_is_exact_on_integer_scores(case, small, monkeypatch):
+    """Small integer inputs make every score exact in every backend, so the selection must be
+    bit-equal to the oracle (ties to the lower block included), with the default tiles and
+    with tiles, block groups and buffer chunks small enough that each splits the input."""
+    from msa_megatron.ops.triton import selection
+
+    if small:
+        for name, value in SELECT_SMALL.items():
+            monkeypatch.setattr(selection, name, value)
+    lens, hi, hik, block, top_k, init, local = case
+    q_pos, q_kbase, tk, _, _ = _layout(lens)
+    gen = torch.Generator().manual_seed(len(lens) * 7 + hi)
+    q_idx = torch.randint(-2, 3, (tk, hi, 16), generator=gen).float().to(DEVICE)
+    k_idx = torch.randint(-2, 3, (tk, hik, 16), generator=gen).float().to(DEVICE)
+    opts = dict(block_size=block, top_k=top_k, init_blocks=init, local_blocks=local)
+    got = _triton().select(q_idx, k_idx, q_pos, q_kbase, **opts)
+    want = ref.select_core_reference(q_idx, k_idx, q_pos, q_kbase, **opts)
+    assert torch.equal(got.cpu(), want.cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_select_nonfinite_and_cp_layout_small_tiles(dtype, monkeypatch):
+    """NaN and +-inf scores (inf keys, inf * 0 = NaN) and a context-parallel query layout
+    (queries are chunks 0 and 3 of 4 of one sequence, Tk > Tq) through small tiles, groups and
+    chunks: equal to the oracle."""
+    from msa_megatron.ops.triton import selection
+
+    for name, value in SELECT_SMALL.items():
+        monkeypatch.setattr(selection, name, value)
+    q_pos, q_kbase, tk, rows, _ = _layout([160], gen_cp=True)
+    gen = torch.Generator().manual_seed(11)
+    q_full = torch.randint(-2, 3, (tk, 2, 16), generator=gen).float()
+    k_idx = torch.randint(-2, 3, (tk, 1, 16), generator=gen).float()
+    k_idx[20, 0, 3] = float("inf")  # block 1: +inf or -inf or NaN (inf * 0) by query
+    k_idx[70, 0, :] = float("-inf")
+    k_idx[101, 0, 5] = float("nan")
+    q_full[150, 1, :] = float("inf")
+    q_idx = q_full[rows.cpu()].to(dtype).to(DEVICE)
+    k_idx = k_idx.to(dtype).to(DEVICE)
+    opts = dict(block_size=16, top_k=4, init_blocks=1, local_blocks=1)
+    got = _triton().select(q_idx, k_idx, q_pos, q_kbase, **opts)
+    want = ref.select_core_reference(q_idx.float(), k_idx.float(), q_pos, q_kbase, **opts)
+    assert torch.equal(got.cpu(), want.cpu())
+
+
 # ---------------------------------------------------------------- main attention
 ATTN_CASES = [
     # lens, Hq, Hkv, Hi, D, block, top_k, dtype, cp-like layout

@@ -1,18 +1,29 @@
-"""Fused block selection (MSA_SPEC section 2): index scores, causal block max, forced blocks,
-top-k, all in one Triton kernel; no ``[T, T]`` or ``[T, T/B]`` tensor exists in memory.
+"""Block selection (MSA_SPEC section 2): index scores, causal block max, forced blocks, top-k,
+in two Triton kernels per chunk of query tokens; no ``[T, T]`` tensor exists in memory.
 
-One program owns a tile of ``TOK`` query tokens x the ``Hi/Hik`` index heads reading one index
-key head (rows = token x head). It walks the key blocks of the tile's sequences in ascending
-order, computes the ``[rows, B]`` score tile with one matrix product (the next block's index
-keys are loaded while the current one is reduced), applies the causal mask only on blocks that
-reach past a row's position, reduces the tile to block maxima (NaN propagating), scales the
-maxima (exact: the scale is positive and rounding is monotone) and keeps a running top-k per
-row in registers: ranking keys (int32, the fp32 score's order) and block ids (int32). A block
-is compared with the row's current k-th key first; only when some row of the tile beats it
-is the top-k updated. Walking blocks in ascending order makes the tie rule exact: a later block
-replaces a kept one only when its key is strictly larger, and the evicted block is the worst
-key's highest block. A tile whose tokens belong to several sequences (short documents, any
-``q_kbase``) handles one sequence ("segment") at a time.
+1. ``_block_keys_kernel``, a GEMM with a row-max epilogue: one program owns a tile of ``TOK``
+   query tokens x the ``Hi/Hik`` index heads reading one index key head (rows = token x head,
+   :data:`SELECT_ROWS` of them) and a group of :data:`GROUP_BLOCKS` key blocks. Per block it
+   computes the ``[rows, KS]`` score sub-tiles with one matrix product each (index keys loaded
+   by the software pipeline), applies the causal mask only on blocks that reach past a row's
+   position, reduces them to the block maximum (NaN propagating), scales it (exact: the scale is
+   positive and rounding is monotone) and writes its int32 ranking key (the fp32 order) to a
+   ``[blocks, rows]`` buffer. No running state: every block costs one MMA, one row max and one
+   coalesced store; the programs are independent, so the causal triangle is spread over the
+   whole GPU.
+2. ``_topk_kernel``: one program owns :data:`TOPK_ROWS` rows (token, index head) and walks the
+   row's causal blocks in chunks of ``CB``, keeping the row's top-k in registers as (key, block)
+   pairs. A chunk's keys are compared with the row's current k-th key first; only the blocks
+   that beat it are inserted, best first (largest key, then lowest block), each evicting the
+   worst kept block (lowest key, among equal keys the highest block). Walking chunks in
+   ascending block order and inserting in that order makes the tie rule exact: a block enters
+   only with a strictly larger key than the worst kept one. Finally the kept blocks are sorted
+   ascending.
+
+The buffer holds one chunk of query tokens (at most :data:`KEY_BUFFER_BYTES`); longer inputs
+run the two kernels per chunk (no host synchronisation: the chunking follows the shapes only).
+A tile whose tokens belong to several sequences (short documents, any ``q_kbase``) handles one
+sequence ("segment") at a time; block numbers are relative to each row's sequence start.
 
 Ranking (MSA_SPEC section 2, DESIGN "Ranking with NaN"): forced blocks first, then NaN block
 scores, then numbers in descending order (+0 == -0), ties to the lower block.
@@ -24,16 +35,44 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dot_flags, mma, next_pow2, stage_options, tile_rows
+from ._common import dot_flags, mma, next_pow2
 
-# Rows (tokens x heads) of one selection tile (128: 2.1 ms vs 2.8 ms for 64 at paper 32K, H200).
-SELECT_ROWS = 128
+# Block-key kernel for 2-byte inputs (ptxas for sm_90, Triton 3.6, paper heads; see
+# benchmarks/NOTES.md "selection rewrite"):
+# - SELECT_ROWS rows (tokens x heads) per tile. Each program reads every key block of its group
+#   once, so the L2 -> shared-memory traffic of index keys is (T * Hi / rows) x 32 KiB blocks:
+#   32 GiB at 128K with 256 rows, 64 GiB with 128 (the old kernel's, about 10 ms of L2
+#   bandwidth, as long as the GEMM itself).
+# - SELECT_KEY_SUBTILE keys per matrix product: 128 (a whole block) gives each warpgroup a
+#   64 x 128 wgmma; SELECT_WARPS 16 (four warpgroups) keeps the fp32 tile at 64 registers per
+#   thread: 122 registers, no spills.
+# - SELECT_STAGES 3: the index-key load of block i + 2 is issued while block i is reduced
+#   (two stages wait for the load just issued): 161 KiB of shared memory, one program per SM.
+SELECT_ROWS = 256
+SELECT_KEY_SUBTILE = 128
+SELECT_WARPS = 16
+SELECT_STAGES = 3
+# fp32 inputs (interpreter tests, GPU checks): exact fp32 products on the CUDA cores; small
+# tiles keep the register spills small.
+SELECT_ROWS_FP32 = 32
+# Key blocks per block-key program (the causal triangle is cut into tiles x groups).
+GROUP_BLOCKS = 32
+# Rows (token, index head) per top-k program, and its warps (one: no barrier in the loop);
+# blocks per step of its walk (at least the kept-list width, the power of two >= top_k).
+TOPK_ROWS = 32
+TOPK_WARPS = 1
+TOPK_CHUNK = 16
+# Bytes of the per-chunk buffer of block keys ([blocks, chunk rows] int32), and the fewest query
+# tokens of a chunk (very long inputs: enough top-k programs to fill the GPU; 512 MiB at 1M).
+KEY_BUFFER_BYTES = 256 << 20
+MIN_CHUNK_TOKENS = 4096
 # int32 ranking keys (larger is better): a number's key has the order of its fp32 value; every
-# NaN ranks above +inf; forced blocks above NaN; empty slots below every block.
+# NaN ranks above +inf; forced blocks above NaN; ineligible blocks and empty slots below all.
 _FORCED_KEY = tl.constexpr(2**31 - 1)
 _NAN_KEY = tl.constexpr(0x7FC00000)  # above the key of +inf (0x7F800000)
 _EMPTY_KEY = tl.constexpr(-(2**31))
 _MAGNITUDE = tl.constexpr(2**31 - 1)
+_NO_BLOCK = tl.constexpr(2**30)
 
 
 @triton.jit
@@ -51,77 +90,104 @@ def _rank_key(s):
 
 
 @triton.jit
-def _select_kernel(
-    qi_ptr, ki_ptr, qpos_ptr, qkb_ptr, out_ptr,
-    Tq, Tk, scale,
-    s_qt, s_qh, s_kt, s_kh, s_ot, s_oh,
-    HPK: tl.constexpr, HR: tl.constexpr, TOK: tl.constexpr, DI: tl.constexpr,
-    BLK: tl.constexpr, TOPK: tl.constexpr, K_P2: tl.constexpr,
+def _block_keys_kernel(
+    qi_ptr, ki_ptr, qpos_ptr, qkb_ptr, key_ptr,
+    t0, t1, scale,
+    s_qt, s_qh, s_kt, s_kh, s_kb,
+    HI: tl.constexpr, HPK: tl.constexpr, HR: tl.constexpr, TOK: tl.constexpr,
+    DI: tl.constexpr, BLK: tl.constexpr, KS: tl.constexpr, GB: tl.constexpr,
     INIT: tl.constexpr, LOCAL: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
     R: tl.constexpr = TOK * HR
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # late (long) tiles first
-    j = tl.program_id(1)
+    NSUB: tl.constexpr = BLK // KS
+    g = tl.program_id(0)
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)  # late (long) tiles first
+    j = tl.program_id(2)
     r = tl.arange(0, R)
-    t = tile * TOK + r // HR
+    t = t0 + tile * TOK + r // HR
     hl = r % HR
-    valid = (t < Tq) & (hl < HPK)
-    head = j * HPK + hl
+    valid = (t < t1) & (hl < HPK)
+    pos = tl.load(qpos_ptr + t, mask=valid, other=-1)
+    lo = g * GB
+    if tl.max(pos) >= (lo + LOCAL) * BLK:  # some row ranks a block of this group
+        head = j * HPK + hl
+        kb = tl.load(qkb_ptr + t, mask=valid, other=0)
+        brow = (t - t0) * HI + head  # the row of the key buffer
+        d = tl.arange(0, DI)
+        c = tl.arange(0, KS)
+        q = tl.load(qi_ptr + t.to(tl.int64)[:, None] * s_qt + head[:, None] * s_qh + d[None, :],
+                    mask=valid[:, None], other=0.0)
+        done = valid == 0
+        left = tl.sum(valid.to(tl.int32))
+        while left > 0:
+            # One sequence of the tile at a time: its rows share q_kbase.
+            seg_kb = tl.min(tl.where(done, 2**31 - 1, kb))
+            inseg = (done == 0) & (kb == seg_kb)
+            seg_pos = tl.max(tl.where(inseg, pos, -1))
+            # Ranked blocks: neither forced nor past the last row's own block, hence complete
+            # and causal for every row that ranks them (no mask, no key past the sequence).
+            b_hi = tl.minimum(lo + GB, seg_pos // BLK - LOCAL + 1)
+            k_ptr = ki_ptr + seg_kb.to(tl.int64) * s_kt + j * s_kh
+            m = tl.full([R], float("-inf"), tl.float32)
+            for sub in range(tl.maximum(lo, INIT) * NSUB, b_hi * NSUB):  # sub-tiles of KS keys
+                u = sub * KS + c
+                kt = tl.load(k_ptr + u.to(tl.int64)[:, None] * s_kt + d[None, :])
+                z = mma(q, tl.trans(kt), UPCAST, IEEE)
+                m = _max_nan(m, tl.reduce(z, 1, _max_nan))
+                if sub % NSUB == NSUB - 1:
+                    # Scale after the max: exact (positive scale, monotone rounding).
+                    tl.store(key_ptr + (sub // NSUB) * s_kb + brow, _rank_key(m * scale),
+                             mask=inseg)
+                    m = tl.full([R], float("-inf"), tl.float32)
+            done = done | inseg
+            left = tl.sum((done == 0).to(tl.int32))
+
+
+@triton.jit
+def _topk_kernel(
+    key_ptr, qpos_ptr, out_ptr,
+    t0, n_rows, s_kb, s_ot, s_oh,
+    HI: tl.constexpr, BLK: tl.constexpr, TOPK: tl.constexpr, CB: tl.constexpr,
+    INIT: tl.constexpr, LOCAL: tl.constexpr, ROWS: tl.constexpr,
+):
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    valid = row < n_rows
+    t = t0 + row // HI
+    head = row % HI
     pos = tl.load(qpos_ptr + t, mask=valid, other=0)
-    kb = tl.load(qkb_ptr + t, mask=valid, other=0)
-    own = pos // BLK
-    d = tl.arange(0, DI)
-    q = tl.load(qi_ptr + t.to(tl.int64)[:, None] * s_qt + head[:, None] * s_qh + d[None, :],
-                mask=valid[:, None], other=0.0)
-    c = tl.arange(0, BLK)
-    col = tl.arange(0, K_P2)[None, :]
+    own = tl.where(valid, pos // BLK, -1)
+    col = tl.arange(0, CB)[None, :]
     real = col < TOPK
-    keys = tl.where(real, _EMPTY_KEY, _FORCED_KEY) + tl.zeros([R, K_P2], tl.int32)
-    ids = tl.full([R, K_P2], -1, tl.int32)
-    done = valid == 0
-    left = tl.sum(valid.to(tl.int32))
-    while left > 0:
-        # One sequence of the tile at a time: its rows share q_kbase.
-        seg_kb = tl.min(tl.where(done, Tk, kb))
-        inseg = (done == 0) & (kb == seg_kb)
-        seg_pos = tl.max(tl.where(inseg, pos, -1))
-        seg_min = tl.min(tl.where(inseg, pos, seg_pos))
-        thresh = tl.min(tl.where(real, keys, _FORCED_KEY), axis=1)  # the row's k-th key
-        k_off = (seg_kb + c).to(tl.int64)[:, None] * s_kt + j * s_kh + d[None, :]
-        k_next = tl.load(ki_ptr + k_off, mask=(c <= seg_pos)[:, None], other=0.0)
-        for b in range(0, seg_pos // BLK + 1):
-            kt = k_next
-            u_next = (b + 1) * BLK + c
-            k_next = tl.load(ki_ptr + k_off + (b + 1) * BLK * s_kt,
-                             mask=(u_next <= seg_pos)[:, None], other=0.0)
-            z = mma(q, tl.trans(kt), UPCAST, IEEE)
-            if (b + 1) * BLK - 1 > seg_min:  # the block reaches past some row's position
-                z = tl.where((b * BLK + c)[None, :] <= pos[:, None], z, float("-inf"))
-            key = _rank_key(tl.reduce(z, 1, _max_nan) * scale)
-            elig = inseg & (b <= own)
-            key = tl.where((b > own - LOCAL) | (b < INIT), _FORCED_KEY, key)
-            hit = elig & (key > thresh)
-            if tl.max(hit.to(tl.int32)) > 0:
-                # Evict the worst kept block: lowest key, among equal keys the highest block.
-                worst = (keys == thresh[:, None]) & real
-                _, worst_col = tl.max(tl.where(worst, ids, -2), axis=1, return_indices=True)
-                upd = hit[:, None] & (col == worst_col[:, None])
-                keys = tl.where(upd, key[:, None], keys)
-                ids = tl.where(upd, b, ids)
-                thresh = tl.min(tl.where(real, keys, _FORCED_KEY), axis=1)
-        done = done | inseg
-        left = tl.sum((done == 0).to(tl.int32))
-    # Ascending block numbers: rank each kept block among the row's kept blocks.
-    filled = real & (keys != _EMPTY_KEY)
-    block = tl.where(filled, ids, 2**30)
-    rank = tl.sum((block[:, None, :] < block[:, :, None]).to(tl.int32), axis=2)
-    slot = tl.arange(0, K_P2)[None, :, None]
-    picked = tl.sum(tl.where((rank[:, None, :] == slot) & filled[:, None, :], block[:, None, :], 0),
-                    axis=2)
-    n_kept = tl.sum(filled.to(tl.int32), axis=1)
-    picked = tl.where(col < n_kept[:, None], picked, -1)
+    # Kept blocks: keys (padding slots past TOPK are forced: never the worst) and block ids
+    # (empty slots hold distinct negative ids, so every id of a row is unique).
+    keys = tl.where(real, _EMPTY_KEY, _FORCED_KEY) + tl.zeros([ROWS, CB], tl.int32)
+    ids = -1 - col + tl.zeros([ROWS, CB], tl.int32)
+    thresh = tl.full([ROWS], _EMPTY_KEY, tl.int32)  # the row's k-th key
+    for c0 in range(0, tl.max(own) + 1, CB):
+        b = c0 + col
+        elig = b <= own[:, None]
+        forced = (b > own[:, None] - LOCAL) | (b < INIT)
+        key = tl.load(key_ptr + b * s_kb + row[:, None], mask=elig & (forced == 0),
+                      other=_EMPTY_KEY)
+        key = tl.where(elig & forced, _FORCED_KEY, key)
+        hit = key > thresh[:, None]
+        while tl.max(hit.to(tl.int32)) > 0:
+            # The best remaining hit of each row: largest key, then lowest block.
+            best = tl.max(tl.where(hit, key, _EMPTY_KEY), axis=1)
+            pick = tl.min(tl.where(hit & (key == best[:, None]), col, CB), axis=1)
+            # Evict the worst kept block: lowest key, among equal keys the highest block.
+            worst = real & (keys == thresh[:, None])
+            wid = tl.max(tl.where(worst, ids, -(2**31)), axis=1)
+            upd = (pick < CB)[:, None] & worst & (ids == wid[:, None])
+            keys = tl.where(upd, best[:, None], keys)
+            ids = tl.where(upd, (c0 + pick)[:, None], ids)
+            thresh = tl.min(tl.where(real, keys, _FORCED_KEY), axis=1)
+            hit = hit & (col != pick[:, None]) & (key > thresh[:, None])
+    # Ascending block numbers, -1 in unused slots.
+    picked = tl.sort(tl.where(ids >= 0, ids, _NO_BLOCK), dim=1)
+    picked = tl.where(picked == _NO_BLOCK, -1, picked)
     out_off = t.to(tl.int64)[:, None] * s_ot + head[:, None] * s_oh + col
-    tl.store(out_ptr + out_off, picked.to(tl.int32), mask=valid[:, None] & real)
+    tl.store(out_ptr + out_off, picked, mask=valid[:, None] & real)
 
 
 def select_blocks_triton(
@@ -141,6 +207,10 @@ def select_blocks_triton(
         ``-1`` in unused slots. Scores are fp32 from the input dtype; forced blocks first, then
         NaN block scores (a NaN anywhere in a block's causal part makes its score NaN), then
         the largest scores; ties go to the lower block (the oracle's rule).
+
+    Working memory: one ``[blocks, chunk tokens x Hi]`` int32 buffer of at most
+    :data:`KEY_BUFFER_BYTES` (``blocks = ceil(Tk / block_size)``); longer inputs are processed
+    in chunks of query tokens.
     """
     Tq, Hi, Di = q_idx.shape
     Tk, Hik, _ = k_idx.shape
@@ -151,16 +221,36 @@ def select_blocks_triton(
     k_idx = k_idx.contiguous()
     hpk = Hi // Hik
     hr = next_pow2(hpk)
-    tok = max(1, tile_rows(SELECT_ROWS, q_idx.dtype) // hr)  # rows >= 16, as tl.dot needs
+    wide = q_idx.dtype.itemsize <= 2
+    tok = max(1, (SELECT_ROWS if wide else SELECT_ROWS_FP32) // hr)  # rows >= 16 for tl.dot
     rows = tok * hr
+    if local_blocks < 1 or top_k < init_blocks + local_blocks:
+        raise ValueError(f"select_blocks_triton: needs local_blocks >= 1 and top_k >= "
+                         f"init_blocks + local_blocks, got top_k {top_k}, init_blocks "
+                         f"{init_blocks}, local_blocks {local_blocks}")
+    ks = min(SELECT_KEY_SUBTILE if wide else 64, block_size)
+    n_blocks = triton.cdiv(max(Tk, 1), block_size)
+    # Chunk of query tokens: a multiple of the tile, its keys within the buffer budget.
+    chunk = max(KEY_BUFFER_BYTES // (4 * n_blocks * Hi), MIN_CHUNK_TOKENS) // tok * tok
+    chunk = min(max(chunk, tok), triton.cdiv(Tq, tok) * tok)
+    keys = torch.empty((n_blocks, chunk * Hi), dtype=torch.int32, device=q_idx.device)
     upcast, ieee = dot_flags(q_idx.dtype)
-    grid = (triton.cdiv(Tq, tok), Hik)
-    _select_kernel[grid](
-        q_idx, k_idx, q_pos, q_kbase, out, Tq, Tk, float(index_scale),
-        q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), k_idx.stride(1),
-        out.stride(0), out.stride(1),
-        HPK=hpk, HR=hr, TOK=tok, DI=Di, BLK=block_size, TOPK=top_k, K_P2=next_pow2(top_k),
-        INIT=init_blocks, LOCAL=local_blocks, UPCAST=upcast, IEEE=ieee,
-        num_warps=4 if rows <= 64 else 8, **stage_options(q_idx.dtype),
-    )
+    cb = max(TOPK_CHUNK, next_pow2(top_k))
+    for t0 in range(0, Tq, chunk):
+        t1 = min(Tq, t0 + chunk)
+        grid = (triton.cdiv(n_blocks, GROUP_BLOCKS), triton.cdiv(t1 - t0, tok), Hik)
+        _block_keys_kernel[grid](
+            q_idx, k_idx, q_pos, q_kbase, keys, t0, t1, float(index_scale),
+            q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), k_idx.stride(1), keys.stride(0),
+            HI=Hi, HPK=hpk, HR=hr, TOK=tok, DI=Di, BLK=block_size, KS=ks, GB=GROUP_BLOCKS,
+            INIT=init_blocks, LOCAL=local_blocks, UPCAST=upcast, IEEE=ieee,
+            num_warps=min(SELECT_WARPS, max(4, rows // 16)) if wide else 4,
+            num_stages=SELECT_STAGES if wide else 1,
+        )
+        n_rows = (t1 - t0) * Hi
+        _topk_kernel[(triton.cdiv(n_rows, TOPK_ROWS),)](
+            keys, q_pos, out, t0, n_rows, keys.stride(0), out.stride(0), out.stride(1),
+            HI=Hi, BLK=block_size, TOPK=top_k, CB=cb, INIT=init_blocks, LOCAL=local_blocks,
+            ROWS=TOPK_ROWS, num_warps=TOPK_WARPS,
+        )
     return out

@@ -223,6 +223,17 @@ def test_select_nonfinite_and_cp_layout_small_tiles(dtype, monkeypatch):
     assert torch.equal(got.cpu(), want.cpu())
 
 
+def test_select_kernels_refuse_an_unforced_own_block():
+    """The block-key kernel scores no query's own block (it has no causal mask): it relies on
+    local_blocks >= 1 and says so when called without it."""
+    from msa_megatron.ops.triton.selection import select_blocks_triton
+
+    q_pos, q_kbase, tk, _, _ = _layout([40])
+    q_idx, k_idx = _randn(tk, 1, 16, dtype=torch.float32), _randn(tk, 1, 16, dtype=torch.float32)
+    with pytest.raises(ValueError, match="local_blocks"):
+        select_blocks_triton(q_idx, k_idx, q_pos, q_kbase, 16, 2, 0, 0, 0.25)
+
+
 # ---------------------------------------------------------------- main attention
 ATTN_CASES = [
     # lens, Hq, Hkv, Hi, D, block, top_k, dtype, cp-like layout

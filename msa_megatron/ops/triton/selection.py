@@ -5,14 +5,17 @@ in two Triton kernels per chunk of query tokens; no ``[T, T]`` tensor exists in 
    query tokens x the ``Hi/Hik`` index heads reading one index key head (rows = token x head,
    :data:`SELECT_ROWS` of them) and a group of :data:`GROUP_BLOCKS` key blocks. Per block it
    computes the ``[rows, KS]`` score sub-tiles with one matrix product each (index keys loaded
-   by the software pipeline), applies the causal mask only on blocks that reach past a row's
-   position, reduces them to the block maximum (NaN propagating), scales it (exact: the scale is
-   positive and rounding is monotone) and writes its int32 ranking key (the fp32 order) to a
-   ``[blocks, rows]`` buffer. No running state: every block costs one MMA, one row max and one
-   coalesced store; the programs are independent, so the causal triangle is spread over the
-   whole GPU.
-2. ``_topk_kernel``: one program owns :data:`TOPK_ROWS` rows (token, index head) and walks the
-   row's causal blocks in chunks of ``CB``, keeping the row's top-k in registers as (key, block)
+   by the software pipeline), reduces them to the block maximum (NaN propagating), scales it
+   (exact: the scale is positive and rounding is monotone) and writes its int32 ranking key
+   (the fp32 order) to a ``[blocks, rows]`` buffer. It scores only blocks that are ranked:
+   neither forced nor in the last ``local_blocks`` of the tile's last row. Since
+   ``local_blocks >= 1`` always forces the query's own block, every ranked block is complete
+   and causal for every row that ranks it: no causal mask and no key past the sequence (the
+   scores a row gets for its own or later blocks are never read). No running state: every
+   block costs one MMA, one row max and one coalesced store; the programs are independent, so
+   the causal triangle is spread over the whole GPU.
+2. ``_topk_kernel``: one program (one warp) owns :data:`TOPK_ROWS` rows (token, index head)
+   and walks the row's causal blocks in chunks of ``CB``, keeping the row's top-k in registers as (key, block)
    pairs. A chunk's keys are compared with the row's current k-th key first; only the blocks
    that beat it are inserted, best first (largest key, then lowest block), each evicting the
    worst kept block (lowest key, among equal keys the highest block). Walking chunks in
@@ -144,6 +147,18 @@ def _block_keys_kernel(
 
 
 @triton.jit
+def _chunk_keys(key_ptr, row, own, col, s_kb, INIT, LOCAL: tl.constexpr):
+    """``[rows, CB]`` ranking keys of blocks ``col`` (relative to the chunk; ``own`` and
+    ``INIT`` too): buffer keys, forced blocks ``_FORCED_KEY``, blocks past ``own`` (and rows
+    without blocks) ``_EMPTY_KEY``."""
+    elig = col <= own[:, None]
+    forced = (col > own[:, None] - LOCAL) | (col < INIT)
+    key = tl.load(key_ptr + col * s_kb + row[:, None], mask=elig & (forced == 0),
+                  other=_EMPTY_KEY)
+    return tl.where(elig & forced, _FORCED_KEY, key)
+
+
+@triton.jit
 def _topk_kernel(
     key_ptr, qpos_ptr, out_ptr,
     t0, n_rows, s_kb, s_ot, s_oh,
@@ -163,13 +178,15 @@ def _topk_kernel(
     keys = tl.where(real, _EMPTY_KEY, _FORCED_KEY) + tl.zeros([ROWS, CB], tl.int32)
     ids = -1 - col + tl.zeros([ROWS, CB], tl.int32)
     thresh = tl.full([ROWS], _EMPTY_KEY, tl.int32)  # the row's k-th key
-    for c0 in range(0, tl.max(own) + 1, CB):
-        b = c0 + col
-        elig = b <= own[:, None]
-        forced = (b > own[:, None] - LOCAL) | (b < INIT)
-        key = tl.load(key_ptr + b * s_kb + row[:, None], mask=elig & (forced == 0),
-                      other=_EMPTY_KEY)
-        key = tl.where(elig & forced, _FORCED_KEY, key)
+    start = 0
+    if TOPK == CB:  # the first CB blocks all fit: keep them without the insertion walk
+        key = _chunk_keys(key_ptr, row, own, col, s_kb, INIT, LOCAL)
+        keys = key
+        ids = tl.where(key != _EMPTY_KEY, col, ids)
+        thresh = tl.min(keys, axis=1)
+        start = CB
+    for c0 in range(start, tl.max(own) + 1, CB):
+        key = _chunk_keys(key_ptr + c0 * s_kb, row, own - c0, col, s_kb, INIT - c0, LOCAL)
         hit = key > thresh[:, None]
         while tl.max(hit.to(tl.int32)) > 0:
             # The best remaining hit of each row: largest key, then lowest block.
@@ -232,7 +249,8 @@ def select_blocks_triton(
     n_blocks = triton.cdiv(max(Tk, 1), block_size)
     # Chunk of query tokens: a multiple of the tile, its keys within the buffer budget.
     chunk = max(KEY_BUFFER_BYTES // (4 * n_blocks * Hi), MIN_CHUNK_TOKENS) // tok * tok
-    chunk = min(max(chunk, tok), triton.cdiv(Tq, tok) * tok)
+    chunk = min(max(chunk, tok), triton.cdiv(Tq, tok) * tok, 65535 * tok,  # grid axis 1
+                max(tok, (2**31 - 1) // (n_blocks * Hi) // tok * tok))  # int32 offsets
     keys = torch.empty((n_blocks, chunk * Hi), dtype=torch.int32, device=q_idx.device)
     upcast, ieee = dot_flags(q_idx.dtype)
     cb = max(TOPK_CHUNK, next_pow2(top_k))

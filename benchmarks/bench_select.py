@@ -5,7 +5,12 @@ Every variant's selection must be bit-equal to the default variant's (else FAIL)
 
 Usage (writes JSON; prints one line per variant)::
 
-    python benchmarks/bench_select.py OUT.json [--tokens 32768,131072] [--budget 240]
+    python benchmarks/bench_select.py OUT.json [--tokens 32768,131072] [--dists iid,coherent]
+        [--variants NAME,...] [--budget 240]
+
+CPU dry run of the script itself (Triton interpreter, tiny shapes)::
+
+    TRITON_INTERPRET=1 python benchmarks/bench_select.py /tmp/s.json --dry-run --tokens 600
 """
 
 from __future__ import annotations
@@ -25,19 +30,21 @@ from msa_megatron.layout import query_layout  # noqa: E402
 from msa_megatron.ops import triton as tri  # noqa: E402
 from msa_megatron.ops.triton import selection  # noqa: E402
 
-# name -> (SELECT_ROWS, SELECT_KEY_SUBTILE, SELECT_WARPS, SELECT_STAGES); the first is the
-# default. ptxas sm_90 (Triton 3.6): 256/128/16/3 122 regs 161 KiB (1 program per SM);
-# 256/64/8/3 116 regs 113 KiB (2 per SM only if the whole 228 KiB is given); 256/64/8/2 111
-# regs 97 KiB (2 per SM, but no load ahead of the one awaited); 128/128/8/2 106 regs 97 KiB.
+# name -> (SELECT_ROWS, SELECT_KEY_SUBTILE, SELECT_WARPS, SELECT_STAGES, GROUP_BLOCKS); the
+# first is the default. ptxas sm_90 (Triton 3.6): 256/128/16/3 122 regs 161 KiB (1 program per
+# SM); 256/64/8/3 116 regs 113 KiB (2 per SM: exactly the 228 KiB Triton's PREFER_SHARED
+# gives); 256/64/8/2 111 regs 97 KiB (2 per SM, but no load ahead of the one awaited);
+# 128/128/8/2 106 regs 97 KiB (2 per SM, twice the L2 traffic of index keys).
 VARIANTS = {
-    "r256-ks128-w16-s3": (256, 128, 16, 3),
-    "r256-ks64-w8-s3": (256, 64, 8, 3),
-    "r256-ks64-w8-s2": (256, 64, 8, 2),
-    "r256-ks128-w16-s2": (256, 128, 16, 2),
-    "r128-ks128-w8-s2": (128, 128, 8, 2),
-    "r128-ks128-w8-s3": (128, 128, 8, 3),
+    "r256-ks128-w16-s3-g32": (256, 128, 16, 3, 32),
+    "r256-ks64-w8-s3-g32": (256, 64, 8, 3, 32),
+    "r256-ks128-w16-s3-g64": (256, 128, 16, 3, 64),
+    "r256-ks64-w8-s2-g32": (256, 64, 8, 2, 32),
+    "r256-ks128-w16-s2-g32": (256, 128, 16, 2, 32),
+    "r128-ks128-w8-s2-g32": (128, 128, 8, 2, 32),
+    "r128-ks128-w8-s3-g32": (128, 128, 8, 3, 32),
 }
-NAMES = ("SELECT_ROWS", "SELECT_KEY_SUBTILE", "SELECT_WARPS", "SELECT_STAGES")
+NAMES = ("SELECT_ROWS", "SELECT_KEY_SUBTILE", "SELECT_WARPS", "SELECT_STAGES", "GROUP_BLOCKS")
 
 
 def kernel_ms(fn, reps: int = 3) -> dict:
@@ -61,13 +68,19 @@ def main() -> int:
     parser.add_argument("out")
     parser.add_argument("--tokens", default="32768,131072")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--dists", default="iid,coherent",
+                        help="iid, coherent (bench_kernels), rising (scores grow with the key "
+                             "position: every block enters the top-k, the top-k walk's worst case)")
     parser.add_argument("--budget", type=float, default=240.0)
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU interpreter (TRITON_INTERPRET=1), --tokens small")
     args = parser.parse_args()
     start = time.time()
-    dev = torch.device("cuda")
-    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    dev = torch.device("cpu" if args.dry_run else "cuda")
+    n = 256 if args.dry_run else 8192
+    a = torch.randn(n, n, device=dev, dtype=torch.float32 if args.dry_run else torch.bfloat16)
     mm = time_ms(lambda: a @ a)["median"]
-    rate = 2 * 8192**3 / mm / 1e9  # TFLOP/s
+    rate = 2 * n**3 / mm / 1e9  # TFLOP/s
     del a
     saved = {n: getattr(selection, n) for n in NAMES}
     rows = []
@@ -76,10 +89,15 @@ def main() -> int:
         q_pos, q_kbase = query_layout(cu, t, dev)
         causal = t * (t + 1) // 2  # as bench_kernels.flops
         gemm_ms = 2 * 4 * 128 * causal / rate / 1e9
-        for dist in ("iid", "coherent"):
+        for dist in args.dists.split(","):
             torch.manual_seed(1)
-            q_idx = index_input(t, 4, 128, dist, dev, torch.bfloat16)
-            k_idx = index_input(t, 1, 128, dist, dev, torch.bfloat16)
+            q_idx = index_input(t, 4, 128, "iid" if dist == "rising" else dist, dev,
+                                torch.bfloat16)
+            k_idx = index_input(t, 1, 128, "iid" if dist == "rising" else dist, dev,
+                                torch.bfloat16)
+            if dist == "rising":  # a shared direction, growing with the key position
+                q_idx[..., 0] = 4.0
+                k_idx[..., 0] = torch.linspace(0, 8, t, device=dev)[:, None]
             want = None
             for name in args.variants.split(","):
                 if time.time() - start > args.budget:
@@ -98,7 +116,8 @@ def main() -> int:
                     entry["equal_to_default"] = bool(torch.equal(got, want))
                     entry["ms"] = time_ms(fn)["median"]
                     entry["ratio"] = entry["ms"] / gemm_ms
-                    entry["kernels_ms"] = kernel_ms(fn)
+                    if not args.dry_run:
+                        entry["kernels_ms"] = kernel_ms(fn)
                 except Exception as e:  # a failing variant is a finding
                     entry["error"] = f"{type(e).__name__}: {e}"[:300]
                 rows.append(entry)
@@ -106,8 +125,8 @@ def main() -> int:
     for n, v in saved.items():
         setattr(selection, n, v)
     with open(args.out, "w") as f:
-        json.dump(dict(gpu=torch.cuda.get_device_name(), matmul_tflops=rate, rows=rows), f,
-                  indent=1)
+        json.dump(dict(gpu=torch.cuda.get_device_name() if not args.dry_run else "cpu",
+                       matmul_tflops=rate, rows=rows), f, indent=1)
     print(f"matmul {rate:.0f} TFLOP/s")
     for r in rows:
         ok = "ok" if r.get("equal_to_default") else "FAIL"

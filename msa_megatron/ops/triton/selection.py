@@ -60,8 +60,9 @@ SELECT_STAGES = 3
 SELECT_ROWS_FP32 = 32
 # Key blocks per block-key program (the causal triangle is cut into tiles x groups).
 GROUP_BLOCKS = 32
-# Rows (token, index head) per top-k program, and its warps (one: no barrier in the loop);
-# blocks per step of its walk (at least the kept-list width, the power of two >= top_k).
+# Rows (token, index head) per top-k program (top_k <= 16; fewer for a larger top_k: 200
+# registers at top_k 32 with 32 rows), and its warps (one: no barrier in the loop); blocks per
+# step of its walk (at least the kept-list width, the power of two >= top_k).
 TOPK_ROWS = 32
 TOPK_WARPS = 1
 TOPK_CHUNK = 16
@@ -254,6 +255,7 @@ def select_blocks_triton(
     keys = torch.empty((n_blocks, chunk * Hi), dtype=torch.int32, device=q_idx.device)
     upcast, ieee = dot_flags(q_idx.dtype)
     cb = max(TOPK_CHUNK, next_pow2(top_k))
+    topk_rows = max(4, TOPK_ROWS * 16 // max(cb, 16))  # top_k > 16: fewer rows per warp
     for t0 in range(0, Tq, chunk):
         t1 = min(Tq, t0 + chunk)
         grid = (triton.cdiv(n_blocks, GROUP_BLOCKS), triton.cdiv(t1 - t0, tok), Hik)
@@ -266,9 +268,9 @@ def select_blocks_triton(
             num_stages=SELECT_STAGES if wide else 1,
         )
         n_rows = (t1 - t0) * Hi
-        _topk_kernel[(triton.cdiv(n_rows, TOPK_ROWS),)](
+        _topk_kernel[(triton.cdiv(n_rows, topk_rows),)](
             keys, q_pos, out, t0, n_rows, keys.stride(0), out.stride(0), out.stride(1),
             HI=Hi, BLK=block_size, TOPK=top_k, CB=cb, INIT=init_blocks, LOCAL=local_blocks,
-            ROWS=TOPK_ROWS, num_warps=TOPK_WARPS,
+            ROWS=topk_rows, num_warps=TOPK_WARPS,
         )
     return out

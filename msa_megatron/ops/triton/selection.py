@@ -226,9 +226,13 @@ def select_blocks_triton(
         NaN block scores (a NaN anywhere in a block's causal part makes its score NaN), then
         the largest scores; ties go to the lower block (the oracle's rule).
 
+    Raises:
+        ValueError: ``local_blocks < 1`` or ``top_k < init_blocks + local_blocks`` (the
+            block-key kernel never scores a query's own block, which must be forced).
+
     Working memory: one ``[blocks, chunk tokens x Hi]`` int32 buffer of at most
-    :data:`KEY_BUFFER_BYTES` (``blocks = ceil(Tk / block_size)``); longer inputs are processed
-    in chunks of query tokens.
+    :data:`KEY_BUFFER_BYTES` (``blocks = ceil(Tk / block_size)``), at least
+    :data:`MIN_CHUNK_TOKENS` tokens; longer inputs are processed in chunks of query tokens.
     """
     Tq, Hi, Di = q_idx.shape
     Tk, Hik, _ = k_idx.shape

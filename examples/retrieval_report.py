@@ -85,6 +85,16 @@ def _mean(values: List[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+def own_speeds(run: Dict) -> List[float]:
+    """Tokens/s of the steps this variant trained itself: those after the shared dense warm-up
+    (a run that loaded the warm-up carries the warm-up's step history too), all steps when the
+    run has no warm-up (then the second half, past compilation)."""
+    speeds, steps = run.get("tokens_per_s") or [], run.get("steps") or []
+    warmup = int((run.get("args") or {}).get("warmup_steps") or 0)
+    own = [v for step, v in zip(steps, speeds) if step > warmup] if warmup else []
+    return own or speeds[len(speeds) // 2:]
+
+
 def table(runs: Dict[str, Dict]) -> str:
     """Markdown comparison table (held-out values at the end of training)."""
     lines = ["| run | exact match | answer loss | recall | recall, answer rows | record block "
@@ -97,8 +107,8 @@ def table(runs: Dict[str, Dict]) -> str:
             value = r.get(key)
             return f"{value:.3f}" if isinstance(value, (int, float)) else "-"
 
-        speeds = run.get("tokens_per_s") or []
-        speed = f"{statistics.median(speeds[len(speeds) // 2:]):,.0f}" if speeds else "-"
+        speeds = own_speeds(run)
+        speed = f"{statistics.median(speeds):,.0f}" if speeds else "-"
         loss = run.get("held_out_loss")
         loss = f"{loss:.3f}" if isinstance(loss, (int, float)) else "-"
         lines.append(f"| {LABELS.get(name, name)} | {cell('exact_match')} | "
@@ -142,9 +152,13 @@ def plot(runs: Dict[str, Dict], path: Path) -> None:
     for name, run in runs.items():
         color = COLORS.get(name)
         warmup = run["args"].get("warmup_steps", warmup)
-        if run.get("eval_steps"):
-            ax_acc.plot(run["eval_steps"], run["eval_exact_match"], color=color, marker=".",
-                        label=LABELS.get(name, name))
+        steps, matches = list(run.get("eval_steps") or []), list(run.get("eval_exact_match") or [])
+        final = (run.get("retrieval") or {}).get("exact_match")
+        if isinstance(final, (int, float)) and run.get("steps") and (
+                not steps or run["steps"][-1] > steps[-1]):
+            steps, matches = steps + [run["steps"][-1]], matches + [final]  # the end of training
+        if steps:
+            ax_acc.plot(steps, matches, color=color, marker=".", label=LABELS.get(name, name))
         probed = run.get("probe_steps") or []
         for key, style, what in (("recall_per_layer", "-", "recall (uniform rows)"),
                                  ("key_hit_per_layer", ":", "record block chosen")):
@@ -197,7 +211,7 @@ def main(argv=None) -> int:
         summary[name]["answer_loss_steps"] = steps[9::10]
         summary[name]["answer_loss"] = [sum(losses[i:i + 10]) / len(losses[i:i + 10])
                                         for i in range(0, len(losses) - 9, 10)]
-        speeds = run.get("tokens_per_s") or []
+        speeds = own_speeds(run)
         summary[name]["median_tokens_per_s"] = statistics.median(speeds) if speeds else None
     (args.directory / "retrieval.json").write_text(json.dumps(summary, indent=1))
     text = table(runs)

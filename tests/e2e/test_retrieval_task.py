@@ -517,3 +517,20 @@ def test_report_reads_stored_metrics_and_names_what_is_missing(tmp_path):
     message = str(exit_info.value)
     assert "no metrics under" in message and "metrics_*.json.gz" in message
     assert "no metrics for msa (see msa.log)" in message
+
+
+def test_report_speed_counts_only_the_variants_own_steps():
+    """A variant that loaded the shared warm-up carries the warm-up's step history: its tokens/s
+    is the median over the steps after the warm-up only (the 2026-12-01 GPU report showed the
+    warm-up's speed for every variant); without a warm-up, the second half of the steps."""
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        import retrieval_report
+    finally:
+        sys.path.remove(str(REPO / "examples"))
+    run = {"steps": [1, 2, 3, 4, 5], "tokens_per_s": [5.0, 5.0, 5.0, 100.0, 300.0],
+           "args": {"warmup_steps": 3}}
+    assert retrieval_report.own_speeds(run) == [100.0, 300.0]
+    run["args"] = {"warmup_steps": 0}
+    assert retrieval_report.own_speeds(run) == [5.0, 100.0, 300.0]
+    assert retrieval_report.own_speeds({"steps": [], "tokens_per_s": []}) == []

@@ -1467,12 +1467,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             p.error(str(error))
         args.vocab_size = -(-spec.vocab_size // 128) * 128  # divisible by any TP size <= 128
     else:
-        given = [f"--{dest.replace('_', '-')} {getattr(args, dest)}" for dest in (
-            "task_len_min", "task_curriculum", "task_curriculum_gate", "task_curriculum_span")
+        given = [f"--{dest.replace('_', '-')} {getattr(args, dest)}"
+                 for dest in retrieval_task.RETRIEVAL_ONLY
                  if getattr(args, dest) != p.get_default(dest)]
         if given:
-            p.error(f"{', '.join(given)}: the retrieval task's length curriculum, but --task is "
-                    f"{args.task} (add --task retrieval)")
+            p.error(f"{', '.join(given)}: flags of the retrieval task, which --task {args.task} "
+                    "does not read (add --task retrieval, or drop them)")
         args.vocab_size = VOCAB_SIZE
     return args
 

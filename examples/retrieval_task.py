@@ -210,6 +210,13 @@ def sequences(spec: RetrievalSpec, documents: Iterator[bytes], seed: int) -> Ite
         yield make_sequence(spec, filler, rng)
 
 
+# Flags of :func:`add_arguments` that only the retrieval task reads (``--probe-rows`` serves the
+# text task's recall probe too); pretrain_tiny refuses them with ``--task text``.
+RETRIEVAL_ONLY = ("task_len", "task_len_min", "task_curriculum", "task_curriculum_gate",
+                  "task_curriculum_span", "task_question_every", "pairs", "queries", "key_vocab",
+                  "value_vocab", "record_format", "min_distance", "answer_weight", "eval_interval")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The task's flags (``--task retrieval`` selects it in the tiny example)."""
     group = parser.add_argument_group("retrieval task (--task retrieval)")

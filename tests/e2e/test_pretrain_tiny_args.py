@@ -250,9 +250,13 @@ def test_bad_warmup_directory_exits_with_one_line_and_no_traceback(tmp_path):
 
 @pytest.mark.parametrize("argv,needle", [
     (["--task", "text", "--task-curriculum-gate", "1.0", "--task-len-min", "32"],
-     "--task-len-min 32, --task-curriculum-gate 1.0: the retrieval task's length curriculum, "
-     "but --task is text"),
-    (["--task", "text", "--task-curriculum-span", "9"], "--task-curriculum-span 9: the "),
+     "--task-len-min 32, --task-curriculum-gate 1.0: flags of the retrieval task, which --task "
+     "text does not read"),
+    (["--task", "text", "--task-curriculum-span", "9"], "--task-curriculum-span 9: flags of "),
+    (["--task", "text", "--pairs", "8", "--value-vocab", "8"],
+     "--pairs 8, --value-vocab 8: flags of the retrieval task"),
+    (["--task", "text", "--record-format", "fused"], "--record-format fused: flags of the "),
+    (["--task", "text", "--eval-interval", "100"], "--eval-interval 100: flags of the "),
     ([*_RETRIEVAL, "--task-curriculum-gate", "nan"], "--task-curriculum-gate (nan) must be a "
                                                      "finite number"),
     ([*_RETRIEVAL, "--task-len-min", "256"], "but both are 256"),
@@ -270,3 +274,13 @@ def test_curriculum_flags_that_would_do_nothing_are_refused(tiny, capsys, argv, 
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and needle in err, err
     assert err.count("\n") == 1 and "usage:" not in err  # one line, not the usage block
+
+
+def test_every_retrieval_flag_is_refused_or_read_by_the_text_task(tiny):
+    """A flag added to the retrieval group is either refused with --task text (RETRIEVAL_ONLY)
+    or read by the text task too; none is silently ignored."""
+    parser = tiny.build_parser()
+    group = next(g for g in parser._action_groups if g.title.startswith("retrieval task"))
+    dests = {a.dest for a in group._group_actions}
+    shared = {"probe_rows"}  # the text task's recall probe reads it
+    assert dests - shared == set(tiny.retrieval_task.RETRIEVAL_ONLY)

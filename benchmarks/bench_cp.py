@@ -67,7 +67,6 @@ import os
 import platform
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from contextlib import contextmanager
@@ -84,6 +83,9 @@ from msa_megatron.ops.backends import get_backend, resolve_backend  # noqa: E402
 from msa_megatron.parallel.context import cp_bytes_moved  # noqa: E402
 from msa_megatron.parallel.cp_layout import build_cp_layout, split_for_cp_rank  # noqa: E402
 from msa_megatron.parallel.groups import ParallelGroups  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # provenance.py, beside this
+from provenance import git_commit  # noqa: E402
 
 PAPER = dict(hq=64, hkv=4, hi=4, hik=1, d=128, di=128)
 SMALL = dict(hq=16, hkv=2, hi=2, hik=1, d=64, di=64)  # the former fp32 check's heads; dry runs
@@ -595,11 +597,7 @@ def _environment(device) -> dict:
         env["triton"] = None
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
-    try:
-        env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                           text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        env["git_commit"] = None
+    env["git_commit"] = git_commit()
     return env
 
 

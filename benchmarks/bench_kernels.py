@@ -36,7 +36,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -44,12 +43,14 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # provenance.py, beside this
 
 from msa_megatron import reference as ref  # noqa: E402
 from msa_megatron.ops import torch_backend  # noqa: E402
 from msa_megatron.ops import triton as tri  # noqa: E402
 from msa_megatron.api import msa_attention  # noqa: E402
 from msa_megatron.layout import query_layout  # noqa: E402
+from provenance import git_commit  # noqa: E402
 
 HEADS = {
     "paper": dict(hq=64, hkv=4, hi=4, hik=1),
@@ -105,14 +106,6 @@ class Run:
         self.data[kind].append(entry)
         self.save()
         print(json.dumps(entry), flush=True)
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                       cwd=os.path.dirname(os.path.abspath(__file__))).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 # ------------------------------------------------------------------ timing

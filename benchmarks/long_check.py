@@ -35,7 +35,8 @@ import msa_megatron
 from msa_megatron import reference as ref
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from bench_kernels import git_commit, rel  # noqa: E402
+from bench_kernels import rel  # noqa: E402
+from provenance import git_commit  # noqa: E402
 
 BAR = 1e-2  # the spec's relative error bar for bf16 / fp16 outputs and gradients
 

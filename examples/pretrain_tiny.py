@@ -36,6 +36,7 @@ import random
 import sys
 import sysconfig
 import time
+import types
 import unittest.mock
 import warnings
 import zipfile
@@ -69,7 +70,7 @@ from msa_megatron.megatron import (
     set_kl_loss_scale,
     set_msa_mode,
 )
-from msa_megatron.megatron.index import reduce_index_grads_over_tp
+from msa_megatron.megatron.index import build_head_layout, reduce_index_grads_over_tp
 from msa_megatron.parallel.tensor import index_head_layout
 
 import retrieval_task  # noqa: E402  (examples/retrieval_task.py, beside this script)
@@ -1425,6 +1426,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if unknown or not args.runs or len(set(args.runs)) != len(args.runs):
         p.error(f"--runs takes distinct names among {', '.join(VARIANTS)}; got {args.runs}")
     if args.task == "retrieval":
+        retrieval_task.fill_sizes(args, args.quick)
         if args.task_len is None:
             args.task_len = args.seq_len
         if args.seq_len % args.task_len or args.task_len % PAD_MULTIPLE:
@@ -1497,10 +1499,25 @@ def check_settings(args: argparse.Namespace, world_size: int) -> List[str]:
     if args.seq_len < PAD_MULTIPLE or args.seq_len % PAD_MULTIPLE:
         errors.append(f"--seq-len {args.seq_len} must be a positive multiple of {PAD_MULTIPLE}")
     try:
-        msa_config(args)
+        config = msa_config(args)
     except (TypeError, ValueError) as e:
+        config = None
         errors.append(f"MSA options (--block-size {args.block_size}, --top-k {args.top_k}, "
                       f"--index-head-dim {args.index_head_dim}): {e}")
+    if (config is not None and tp >= 1 and args.heads >= 1 and args.query_groups >= 1
+            and args.heads % args.query_groups == 0):
+        heads = types.SimpleNamespace(num_attention_heads=args.heads,
+                                      num_query_groups=args.query_groups)
+        try:  # the layers' own split of the index heads over TP, every rank
+            for rank in range(tp):
+                build_head_layout(heads, config, tp, rank)
+        except ValueError as e:
+            errors.append(f"index heads (--index-heads {args.index_heads}, --heads {args.heads}, "
+                          f"--query-groups {args.query_groups}, --tp {tp}): {e}")
+    if (args.backend == "triton" and args.device == "cpu"
+            and os.environ.get("TRITON_INTERPRET") != "1"):
+        errors.append("--backend triton with --device cpu runs the kernels in Triton's CPU "
+                      "interpreter: set TRITON_INTERPRET=1 (slow), or use --backend torch")
     if args.block_size > args.seq_len:
         errors.append(f"--block-size {args.block_size} is larger than --seq-len {args.seq_len}: "
                       "every query would attend to its whole causal row")

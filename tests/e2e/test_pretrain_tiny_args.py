@@ -64,8 +64,11 @@ def test_default_and_quick_settings_are_valid(tiny):
     (["--warmup-until", "0", "--save-warmup", "w"], 1, "--warmup-until 0 must be in [1, "),
     (["--resume-warmup", "/nonexistent/w"], 1, "--resume-warmup /nonexistent/w is not a dir"),
     (["--resume-warmup", ".", "--load-warmup", "."], 1, "exclude each other"),
+    (["--quick", "--index-heads", "3"], 1, "index heads (--index-heads 3"),
+    (["--quick", "--backend", "triton"], 1, "set TRITON_INTERPRET=1"),
 ])
-def test_bad_layouts_and_sizes_are_named(tiny, argv, world, needle):
+def test_bad_layouts_and_sizes_are_named(tiny, argv, world, needle, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     errors = _errors(tiny, ["--device", "cpu", *argv], world)
     assert any(needle in e for e in errors), errors
 

@@ -60,7 +60,7 @@ def programs_per_sm(num_warps: int) -> int:
     return 1 if num_warps >= 8 else 2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("rows",))
 def _delta_kernel(o_ptr, do_ptr, delta_ptr, rows, D: tl.constexpr, ROWS: tl.constexpr):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     d = tl.arange(0, D)
@@ -70,7 +70,7 @@ def _delta_kernel(o_ptr, do_ptr, delta_ptr, rows, D: tl.constexpr, ROWS: tl.cons
     tl.store(delta_ptr + r, tl.sum(o * do, axis=1), mask=r < rows)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("Tq", "Tk"))
 def _attn_bwd_dq_dense_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, qkb_ptr, full_ptr, dq_ptr,
     Tq, Tk, scale,
@@ -142,11 +142,11 @@ def _kv_rows_step(dk, dv, kt, vt, krow, kmask, t, h, valid, q_ptr, do_ptr, lse_p
     return dk, dv, dst, inside, tl.max(tl.where(valid, kbase + pos, -1))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("ci", "s_g", "sc0", "sc1", "Tk"))
 def _attn_bwd_blocks_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, qkb_ptr, dk_ptr, dv_ptr, pdq_ptr,
-    pair_ptr, off_ptr, starts_ptr, meta_ptr, sub_t0_ptr, grp_ptr, n_grp_ptr, next_ptr, sc0, sc1,
-    Tk, scale,
+    pair_ptr, off_ptr, starts_ptr, meta_ptr, sub_t0_ptr, grp_ptr, n_grp_ptr, next_ptr, ci, s_g,
+    sc0, sc1, Tk, scale,
     s_qt, s_qh, s_kt, s_kh, s_lt,
     HI: tl.constexpr, TOPK: tl.constexpr, HPI: tl.constexpr, HR: tl.constexpr,
     TOK: tl.constexpr, IPG: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
@@ -156,14 +156,20 @@ def _attn_bwd_blocks_kernel(
     ``(flat * NSUB + sub) * HPI + hl`` of ``pdq`` for the pairs of sub-chunks ``sc0 .. sc1-1``.
 
     Persistent; items (KV group x start row, key sub-tile of ``KS`` rows; ``NSUB = BN // KS``,
-    1 by default: the whole block) are taken from the integer counter ``next_ptr[0]`` (0 at
+    1 by default: the whole block) are taken from the integer counter ``next_ptr[ci]`` (0 at
     launch), so a long item does not hold back the items dealt after it. One item owns its key
     rows (no two items write the same dK/dV or partial row), so which program takes which
-    item does not change any result: bitwise deterministic. Only the ``n_grp_ptr[0]``
-    (KV group x start row) numbers listed in ``grp_ptr`` (those with pairs in these
-    sub-chunks, :func:`.reverse_index.chunk_groups`) are visited."""
+    item does not change any result: bitwise deterministic. Only the ``n_grp_ptr[ci]``
+    (KV group x start row) numbers listed in row ``ci`` of ``grp_ptr`` (row stride ``s_g``;
+    those with pairs in these sub-chunks, :func:`.reverse_index.chunk_groups`) are visited.
+    Whole tensors and the chunk ``ci`` (not per-chunk slices, whose alignment Triton would
+    specialise on) and ``do_not_specialize`` on the chunk's ints: one compile serves every
+    chunk and length."""
     if skip(bad_ptr, ISO):
         return
+    grp_ptr += ci.to(tl.int64) * s_g
+    n_grp_ptr += ci
+    next_ptr += ci
     NSUB: tl.constexpr = BN // KS
     c = tl.arange(0, KS)
     d = tl.arange(0, D)
@@ -215,7 +221,7 @@ def _attn_bwd_blocks_kernel(
         w = tl.atomic_add(next_ptr, 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("Tq", "Tk"))
 def _attn_bwd_dkdv_dense_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, qkb_ptr, full_ptr, dk_ptr, dv_ptr,
     qt_lo_ptr, qt_hi_ptr,
@@ -256,7 +262,7 @@ def _attn_bwd_dkdv_dense_kernel(
     tl.store(dv_ptr + off, dv.to(dv_ptr.dtype.element_ty), mask=kmask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("sc0", "sc1"))
 def sum_partials_kernel(
     pdq_ptr, bidx_ptr, qpos_ptr, full_ptr, dq_ptr, sub_t0_ptr, sc0, sc1, s_bt, s_bh, s_qt, s_qh,
     HI: tl.constexpr, TOPK: tl.constexpr, NSUB: tl.constexpr, HPI: tl.constexpr,
@@ -349,8 +355,8 @@ def attention_backward(
     for ci, sc0 in enumerate(range(0, SUB_CHUNKS, step)):
         launch_both(
             _attn_bwd_blocks_kernel, (programs,), q, k, v, dout, lse, delta, q_pos, q_kbase, dk,
-            dv, part, rev.pair, rev.off, rev.starts, rev.meta, rev.sub_t0, groups[ci],
-            n_groups[ci:ci + 1], taken[ci:ci + 1], sc0, sc0 + step, Tk, scale, *strides,
+            dv, part, rev.pair, rev.off, rev.starts, rev.meta, rev.sub_t0, groups, n_groups,
+            taken, ci, groups.stride(0), sc0, sc0 + step, Tk, scale, *strides,
             HI=hi, TOPK=top_k, HPI=hpi, HR=khr, TOK=ktok, IPG=ipg, D=D, BN=block_size, KS=ks,
             SUB=SUB_CHUNKS, UPCAST=upcast, IEEE=ieee, bad_ptr=bad, **kopts,
         )

@@ -73,7 +73,7 @@ def tiles() -> tuple:
     return bm, bn, warps, stages
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("Tq", "Tk"))
 def _lse_z_kernel(qi_ptr, ki_ptr, qpos_ptr, qkb_ptr, lsez_ptr, Tq, Tk, iscale,
                   s_it, s_ih, s_jt, s_jh, s_zt,
                   HPK: tl.constexpr, DI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -99,7 +99,7 @@ def _lse_z_kernel(qi_ptr, ki_ptr, qpos_ptr, qkb_ptr, lsez_ptr, Tq, Tk, iscale,
     tl.store(lsez_ptr + t64 * s_zt + i, lse, mask=valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("Tq", "Tk"))
 def _dense_kl_kernel(
     q_ptr, k_ptr, lse_ptr, qi_ptr, ki_ptr, lsez_ptr, qpos_ptr, qkb_ptr, mlo_ptr, mhi_ptr,
     dqfix_ptr, dqnan_ptr, dkpart_ptr, klpart_ptr,

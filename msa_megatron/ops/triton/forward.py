@@ -79,7 +79,7 @@ def _fwd_step(q, m, l, acc, k_ptr, v_ptr, krow, kmask, inside, g, s_kt, s_kh, sc
     return m_new, l, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("Tq", "Tk"))
 def _attn_fwd_dense_kernel(
     q_ptr, k_ptr, v_ptr, qpos_ptr, qkb_ptr, full_ptr, o_ptr, lse_ptr,
     Tq, Tk, scale,
@@ -116,7 +116,7 @@ def _attn_fwd_dense_kernel(
     tl.store(lse_ptr + t.to(tl.int64) * s_lt + h, log_sum_exp(m, l), mask=valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("sc0", "sc1", "Tk", "NBMAX"))
 def _attn_fwd_blocks_kernel(
     q_ptr, k_ptr, v_ptr, qpos_ptr, qkb_ptr, po_ptr, plse_ptr,
     pair_ptr, item_cell_ptr, cell_start_ptr, off_ptr, sub_item_ptr, sub_t0_ptr, starts_ptr,
@@ -219,7 +219,7 @@ def combine_rows(part_ptr, plse_ptr, bidx_ptr, qpos_ptr, full_ptr, tile, i, t0, 
     return t, i * HPI + hl, valid, acc, lse
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("sc0", "sc1"))
 def _attn_combine_kernel(
     po_ptr, plse_ptr, bidx_ptr, qpos_ptr, full_ptr, o_ptr, lse_ptr, sub_t0_ptr, sc0, sc1,
     s_bt, s_bh, s_qt, s_qh, s_lt,

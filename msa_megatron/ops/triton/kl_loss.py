@@ -89,7 +89,7 @@ def _kl_tile(kt, kit, krow, kmask, t, i, valid, q_ptr, lse_ptr, qi_ptr, lsez_ptr
     return dz, kl, qi, on, tl.max(tl.where(valid, kbase + pos, -1))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("Tq", "Tk"))
 def _kl_rows_dense_kernel(
     q_ptr, k_ptr, lse_ptr, qi_ptr, ki_ptr, qpos_ptr, qkb_ptr, full_ptr, kl_ptr, lsez_ptr, dqi_ptr,
     Tq, Tk, scale, iscale, grad_scale,
@@ -146,7 +146,7 @@ def _kl_rows_dense_kernel(
                  dqi.to(dqi_ptr.dtype.element_ty), mask=valid[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("Tk", "NBMAX"))
 def _kl_lsez_blocks_kernel(
     qi_ptr, ki_ptr, qpos_ptr, qkb_ptr, plz_ptr, pair_ptr, item_cell_ptr, cell_start_ptr,
     off_ptr, sub_item_ptr, starts_ptr, meta_ptr, Tk, NBMAX, iscale, s_it, s_ih, s_jt, s_jh,
@@ -182,11 +182,11 @@ def _kl_lsez_blocks_kernel(
             tl.store(plz_ptr + flat, log_sum_exp(m, l), mask=valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("ci", "s_g", "sc0", "sc1", "Tq", "Tk"))
 def _kl_keys_kernel(
     q_ptr, k_ptr, lse_ptr, qi_ptr, ki_ptr, lsez_ptr, qpos_ptr, qkb_ptr, part_ptr, pkl_ptr,
     pdqi_ptr, pair_ptr, off_ptr, starts_ptr, meta_ptr, sub_t0_ptr, grp_ptr, n_grp_ptr, full_ptr,
-    qt_lo_ptr, qt_hi_ptr, sc0, sc1, Tq, Tk, scale, iscale, grad_scale,
+    qt_lo_ptr, qt_hi_ptr, ci, s_g, sc0, sc1, Tq, Tk, scale, iscale, grad_scale,
     s_qt, s_qh, s_kt, s_kh, s_lt, s_it, s_ih, s_jt, s_jh, s_zt, s_pu,
     HI: tl.constexpr, TOPK: tl.constexpr, HPI: tl.constexpr, ROWS: tl.constexpr,
     IPG: tl.constexpr, HPK: tl.constexpr, UNIT: tl.constexpr,
@@ -198,9 +198,11 @@ def _kl_keys_kernel(
     row tiles hold ``ROWS`` (token, index head) pairs, one row each (:func:`_kl_tile`).
 
     Sparse (pass B): persistent over (unit x start row, key sub-tile) for the pairs of
-    sub-chunks ``sc0 .. sc1 - 1``, visiting only the ``n_grp_ptr[0]`` (KV group x start row)
-    numbers listed in ``grp_ptr`` (those with pairs in these sub-chunks,
-    :func:`.reverse_index.chunk_groups`); adds to ``part`` (chunks run one after the other) and
+    sub-chunks ``sc0 .. sc1 - 1``, visiting only the ``n_grp_ptr[ci]`` (KV group x start row)
+    numbers listed in row ``ci`` of ``grp_ptr`` (row stride ``s_g``; those with pairs in these
+    sub-chunks, :func:`.reverse_index.chunk_groups`; whole tensors and ``do_not_specialize``
+    on the chunk's ints: one compile for every chunk); adds to ``part`` (chunks run one after
+    the other) and
     writes per-pair partials of the KL (``pkl``) and of ``dq_idx`` (``pdqi``, rows
     ``flat * NSUB + sub``, relative to the chunk). Dense: one program per key tile and unit,
     over the query tiles that can see the tile (rows filtered by ``FULL``); writes ``part``.
@@ -215,6 +217,8 @@ def _kl_keys_kernel(
     d = tl.arange(0, D)
     di = tl.arange(0, DI)
     if SPARSE:
+        grp_ptr += ci.to(tl.int64) * s_g
+        n_grp_ptr += ci
         f0 = tl.load(sub_t0_ptr + sc0) * (HI * TOPK)
         for w in range(tl.program_id(0), tl.load(n_grp_ptr) * (UPG * NSUB), tl.num_programs(0)):
             gb = tl.load(grp_ptr + w // (UPG * NSUB))
@@ -367,7 +371,8 @@ def kl_loss(
         launch_both(
             _kl_keys_kernel, (triton.cdiv(Tk, ks), n_units), q, k, lse, q_idx, k_idx, lse_z,
             q_pos, q_kbase, part, part, part, q_pos, q_pos, q_pos,
-            q_pos, q_pos, q_pos, q_pos, full, qt_lo, qt_hi, 0, 0, Tq, Tk, *scales, *strides,
+            q_pos, q_pos, q_pos, q_pos, full, qt_lo, qt_hi, 0, 0, 0, 0, Tq, Tk, *scales,
+            *strides,
             lse_z.stride(0), part.stride(0), HI=Hi, TOPK=1, HPI=hpi, ROWS=kl_rows, IPG=ipg,
             HPK=hpk, UNIT=unit, D=D, DI=Di, BN=ks, KS=ks, SUB=SUB_CHUNKS, SPARSE=False,
             FULL=which, UPCAST=upcast, IEEE=ieee, bad_ptr=bad,
@@ -391,8 +396,8 @@ def kl_loss(
             launch_both(
                 _kl_keys_kernel, (persistent_programs(dev, n_units * Tk * nsub),), q, k, lse,
                 q_idx, k_idx, lse_z, q_pos, q_kbase, part, pkl, pdqi, rev.pair,
-                rev.off, rev.starts, rev.meta, rev.sub_t0, groups[ci], n_groups[ci:ci + 1],
-                rev.full, q_pos, q_pos, sc0, sc0 + step,
+                rev.off, rev.starts, rev.meta, rev.sub_t0, groups, n_groups, rev.full, q_pos,
+                q_pos, ci, groups.stride(0), sc0, sc0 + step,
                 Tq, Tk, *scales, *strides, lse_z.stride(0), part.stride(0),
                 HI=Hi, TOPK=top_k, HPI=hpi, ROWS=kl_rows, IPG=ipg, HPK=hpk, UNIT=unit,
                 D=D, DI=Di, BN=block_size, KS=ks, SUB=SUB_CHUNKS, SPARSE=True, FULL=SPARSE_ROWS,

@@ -114,7 +114,7 @@ def _pair_buckets(bidx_ptr, qpos_ptr, qkb_ptr, cid_ptr, full_ptr, e, t, Tq, NS,
     return bucket, used
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("P",))
 def _flag_kernel(bidx_ptr, qpos_ptr, qkb_ptr, flag_ptr, P,
                  TOPK: tl.constexpr, HI: tl.constexpr, BLK: tl.constexpr, R: tl.constexpr):
     e = tl.program_id(0) * R + tl.arange(0, R)
@@ -127,7 +127,7 @@ def _flag_kernel(bidx_ptr, qpos_ptr, qkb_ptr, flag_ptr, P,
     tl.store(flag_ptr + kb + blk * BLK, tl.full([R], 1, tl.int32), mask=used)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("Tk",))
 def _starts_kernel(flag_ptr, cid_ptr, starts_ptr, Tk, R: tl.constexpr):
     s = tl.program_id(0) * R + tl.arange(0, R)
     f = tl.load(flag_ptr + s, mask=s < Tk, other=0)
@@ -135,7 +135,7 @@ def _starts_kernel(flag_ptr, cid_ptr, starts_ptr, Tk, R: tl.constexpr):
     tl.store(starts_ptr + c, s, mask=(s < Tk) & (f != 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("Tq",))
 def _count_kernel(bidx_ptr, qpos_ptr, qkb_ptr, cid_ptr, full_ptr, meta_ptr, cnt_ptr, Tq,
                   HI: tl.constexpr, TOPK: tl.constexpr, BLK: tl.constexpr, IPG: tl.constexpr,
                   R: tl.constexpr):
@@ -155,7 +155,7 @@ def _count_kernel(bidx_ptr, qpos_ptr, qkb_ptr, cid_ptr, full_ptr, meta_ptr, cnt_
             tl.atomic_add(cnt_ptr + bucket.to(tl.int64) * NT + tile, 1, mask=used & (e < e1))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("Tq",))
 def _scatter_kernel(bidx_ptr, qpos_ptr, qkb_ptr, cid_ptr, full_ptr, meta_ptr, cur_ptr, pair_ptr,
                     Tq,
                     HI: tl.constexpr, TOPK: tl.constexpr, BLK: tl.constexpr, IPG: tl.constexpr,

@@ -93,7 +93,7 @@ def _rank_key(s):
     return tl.where(s != s, _NAN_KEY, key)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("t0", "t1"))
 def _block_keys_kernel(
     qi_ptr, ki_ptr, qpos_ptr, qkb_ptr, key_ptr,
     t0, t1, scale,
@@ -159,7 +159,7 @@ def _chunk_keys(key_ptr, row, own, col, s_kb, INIT, LOCAL: tl.constexpr):
     return tl.where(elig & forced, _FORCED_KEY, key)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("t0", "n_rows"))
 def _topk_kernel(
     key_ptr, qpos_ptr, out_ptr,
     t0, n_rows, s_kb, s_ot, s_oh,

@@ -70,6 +70,9 @@ def record_launches():
                        if k not in ("num_warps", "num_stages", "num_ctas")})
         defaults = {k: p.default for k, p in
                     inspect.signature(getattr(fn, "fn", fn)).parameters.items()}
+        # Ints the kernel marks do_not_specialize get no divisibility hint on the GPU.
+        kernel = getattr(importlib.import_module(fn.__module__), fn.__name__, None)
+        plain = set((getattr(kernel, "kwargs", None) or {}).get("do_not_specialize") or ())
         signature, constants, aligned = {}, {}, []
         for index, name in enumerate(self.arg_names):
             value = values.get(name, defaults.get(name))
@@ -82,7 +85,7 @@ def record_launches():
                 signature[name] = "i1"
             elif isinstance(value, int):
                 signature[name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
-                if value % 16 == 0:
+                if value % 16 == 0 and name not in plain and index not in plain:
                     aligned.append(index)
             elif isinstance(value, float):
                 signature[name] = "fp32"
@@ -141,7 +144,8 @@ def compile_launches(launches, names=None) -> int:
     print(f"triton {triton.__version__}: {len(launches)} kernel specialisations")
     for module, name, signature, constants, warps, *rest in launches:
         stages = rest[:1]
-        # The GPU's JIT marks 16-aligned pointers and integers divisible by 16 (tt.divisibility):
+        # The GPU's JIT marks 16-aligned pointers and integers divisible by 16 (tt.divisibility;
+        # not the ints a kernel marks do_not_specialize, recorded so):
         # vectorised, asynchronously copied loads whose pipeline buffers take shared memory
         # (without these hints the KL dense key kernel at 128 rows compiled to 128 KiB; the
         # H200 asked for 256 KiB).

@@ -129,7 +129,8 @@ class CompileWatch:
     a fast one). Under ``TRITON_INTERPRET=1`` nothing compiles; counted instead are the distinct
     specialisations the GPU's JIT would compile (kernel, constexprs, num_warps / num_stages, per
     argument: dtype and 16-byte alignment of a tensor; 1, divisible by 16 or neither for an
-    integer), so a CPU dry run shows which phase would compile what. ``seconds`` stays 0 there.
+    integer the kernel does not mark ``do_not_specialize``), so a CPU dry run shows which phase
+    would compile what. ``seconds`` stays 0 there.
     """
 
     def __init__(self) -> None:
@@ -178,24 +179,29 @@ class CompileWatch:
         original = executor.__call__
         watch = self
 
-        def spec(value):
+        def spec(value, plain):
             if isinstance(value, torch.Tensor):
                 return (str(value.dtype), value.data_ptr() % 16 == 0)
             if isinstance(value, bool):
                 return "i1"
             if isinstance(value, int):
-                return 1 if value == 1 else ("i64" if abs(value) >= 2 ** 31 else "i32",
-                                             value % 16 == 0)
+                kind = "i64" if abs(value) >= 2 ** 31 else "i32"
+                if plain:  # do_not_specialize: the type only
+                    return kind
+                return 1 if value == 1 else (kind, value % 16 == 0)
             return type(value).__name__
 
         def recording(self, *args, **kwargs):
             values = dict(zip(self.arg_names, args))
             values.update(kwargs)
             key = [getattr(self.fn, "__module__", ""), getattr(self.fn, "__name__", "?")]
+            kernel = getattr(sys.modules.get(key[0]), key[1], None)
+            plain = set((getattr(kernel, "kwargs", None) or {}).get("do_not_specialize") or ())
             for name in self.arg_names:
                 if name in values:
                     value = values[name]
-                    key.append((name, repr(value) if name in self.constexprs else spec(value)))
+                    key.append((name, repr(value) if name in self.constexprs
+                                else spec(value, name in plain)))
             key.append(tuple(kwargs.get(k) for k in ("num_warps", "num_stages")))
             key = tuple(key)
             if key not in watch._seen:

@@ -31,7 +31,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tree", default=None, help="import msa_megatron from this directory")
     parser.add_argument("--out", default=None, help="write the first step's hashes here")
     parser.add_argument("--compare", default=None, help="hashes written by another revision")
-    parser.add_argument("--device", default="cuda", help="cpu: a smoke test under TRITON_INTERPRET=1")
+    parser.add_argument("--device", default="cuda",
+                        help="cpu: a smoke test under TRITON_INTERPRET=1")
     args = parser.parse_args(argv)
     os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="triton-cache-"))
     sys.path.insert(0, os.path.abspath(args.tree) if args.tree else

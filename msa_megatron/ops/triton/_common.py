@@ -28,6 +28,12 @@ Hi index heads, Hik index key heads):
 - ``ROWS``: rows per tile of the KL kernels, one per (token, index head) pair (the teacher
   loops over the ``HPI`` query heads of the pair);
   ``FIXED``, ``DZS``: the dense KL's fixed-point scale of ``dq_idx`` and the scale of ``dz``.
+
+Ints that change with the token chunk or the length (chunk starts ``sc0``/``sc1``/``t0``/``t1``,
+chunk index ``ci``, ``Tq``, ``Tk``, counts) are ``do_not_specialize``, and per-chunk rows of a
+tensor are reached through ``ci`` in the kernel, not passed as slices: Triton would compile a
+variant per value class (1, divisible by 16, other) and per pointer alignment
+(``tests/ops/test_specialisation.py``, ``benchmarks/count_specialisations.py``).
 """
 
 from __future__ import annotations

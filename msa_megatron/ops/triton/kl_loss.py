@@ -202,8 +202,7 @@ def _kl_keys_kernel(
     numbers listed in row ``ci`` of ``grp_ptr`` (row stride ``s_g``; those with pairs in these
     sub-chunks, :func:`.reverse_index.chunk_groups`; whole tensors and ``do_not_specialize``
     on the chunk's ints: one compile for every chunk); adds to ``part`` (chunks run one after
-    the other) and
-    writes per-pair partials of the KL (``pkl``) and of ``dq_idx`` (``pdqi``, rows
+    the other) and writes per-pair partials of the KL (``pkl``) and of ``dq_idx`` (``pdqi``, rows
     ``flat * NSUB + sub``, relative to the chunk). Dense: one program per key tile and unit,
     over the query tiles that can see the tile (rows filtered by ``FULL``); writes ``part``.
     """
@@ -372,9 +371,8 @@ def kl_loss(
             _kl_keys_kernel, (triton.cdiv(Tk, ks), n_units), q, k, lse, q_idx, k_idx, lse_z,
             q_pos, q_kbase, part, part, part, q_pos, q_pos, q_pos,
             q_pos, q_pos, q_pos, q_pos, full, qt_lo, qt_hi, 0, 0, 0, 0, Tq, Tk, *scales,
-            *strides,
-            lse_z.stride(0), part.stride(0), HI=Hi, TOPK=1, HPI=hpi, ROWS=kl_rows, IPG=ipg,
-            HPK=hpk, UNIT=unit, D=D, DI=Di, BN=ks, KS=ks, SUB=SUB_CHUNKS, SPARSE=False,
+            *strides, lse_z.stride(0), part.stride(0), HI=Hi, TOPK=1, HPI=hpi, ROWS=kl_rows,
+            IPG=ipg, HPK=hpk, UNIT=unit, D=D, DI=Di, BN=ks, KS=ks, SUB=SUB_CHUNKS, SPARSE=False,
             FULL=which, UPCAST=upcast, IEEE=ieee, bad_ptr=bad,
             num_warps=warps_for(max(kl_rows, ks)), **opts,
         )

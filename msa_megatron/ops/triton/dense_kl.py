@@ -14,13 +14,17 @@ Two kernels:
 2. ``_dense_kl_kernel`` (key-tile-outer): one program per (key tile, index head) loads its K and
    index-key tiles once and walks the query tiles that can see them. Per query tile it
    recomputes the teacher from the ``Hq/Hi`` main heads (one ``[BM, BN]`` product each, the only
-   pass over Q K^T), the student from the index product, adds the KL and ``dz^T q_idx`` (the
-   index-key gradient of its own rows, in registers: deterministic), and adds ``dz k_idx`` to
-   the index-query gradient. Several programs add to one query row, so that sum is kept in
-   **64-bit fixed point** (``round_toward_zero(x * 2^36)``, ``atomic_add`` on int64): integer
-   addition is associative, so the result is bitwise the same whatever the order of the atomics
-   (deterministic) and finer than fp32 for values above ``2^-13``. |dq_idx| before scaling is at
-   most ``2 max|k_idx|`` (``sum_u |dz| <= 2``), far inside the int64 range.
+   pass over Q K^T; tiles inside every row's support skip the mask), the student from the index
+   product, adds the KL and ``dz^T q_idx`` (the index-key gradient of its own rows, in
+   registers: deterministic), and adds ``dz k_idx`` to the index-query gradient. Tiles come by
+   bulk tensor copies (host ``TensorDescriptor``). Several programs add to one query row, so
+   that sum is kept in **packed fixed point**: two signed 32-bit fields per int64 (columns
+   ``2c`` and ``2c + 1``), column ``d`` in units of ``bound_d / 2^28`` (:func:`_column_bounds`;
+   ``|dq_idx| <= 2 bound_d`` keeps every partial sum below ``2^29``, so the fields never carry
+   into each other), each contribution rounded to the nearest unit. Integer addition is
+   associative, so the result is bitwise the same whatever the order (deterministic). On the
+   GPU a tile's int64 block is added by one bulk tensor reduction (``desc.atomic_add``); the
+   interpreter adds the same integers with element atomics.
 
 Non-finite inputs (MSA_SPEC section 7, issue 15's scheme of :mod:`._isolation`): both gradient
 products are :func:`~._isolation.support_mma` (NaN exactly where a row's support meets a NaN/Inf
@@ -29,15 +33,17 @@ NaN/Inf (:func:`~._isolation.launch_both`; finite inputs run the plain products)
 are applied with ``where``, never by multiplying, ``lse_z`` is :func:`~._isolation.log_sum_exp`
 (NaN/+inf kept) and a NaN teacher entry counts in the KL (``T != 0``), so the KL is NaN as soon
 as one row's is. A NaN/Inf ``dq_idx`` entry cannot be held in fixed point: it is stored as 0
-there and its row receives NaN by a float atomic add (only 0 or NaN are added: deterministic).
+there and its row receives NaN by a float atomic add (only NaN is added, by the tiles that hold
+one: deterministic).
 
-Tile sizes: ``MSA_DENSE_KL_TILES="BM,BN,warps,stages"`` (default ``128,64,8,2``: 82.9 ms vs
-90.9 ms for ``64,128,8,2`` at 32K, paper heads, H200, 2026-12-01); key tiles
-are dealt in order, the earliest (with the most query tiles) first.
+Tile sizes: ``MSA_DENSE_KL_TILES="BM,BN,warps,stages"`` (default ``64,64,4,1``: two programs
+per SM on sm_90, 80 KiB of shared memory each; docs/DESIGN.md, dense mode); key tiles are dealt
+in order, the earliest (with the most query tiles) first.
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -50,8 +56,13 @@ from ._common import (
 from ._isolation import launch_both, log_sum_exp, nonfinite, nonfinite_flag, skip, support_mma
 
 TILES_ENV = "MSA_DENSE_KL_TILES"
-_DEFAULT_TILES = (128, 64, 8, 2)
-_FIXED_SCALE = 2.0 ** 36
+_DEFAULT_TILES = (64, 64, 4, 1)
+# dq_idx fixed point: two signed 32-bit fields per int64 (columns 2c and 2c + 1). A column's
+# scale is _FIELD_RANGE / max |k_idx| over that column's finite entries: |dq_idx| before scaling
+# is at most sum_u |dz| * max |k_idx| <= 2 max |k_idx| (teacher and student rows each sum to 1),
+# so every partial sum stays below 2^29, a quarter of the field; one unit is 2^-28 of the
+# column's largest |k_idx|.
+_FIELD_RANGE = tl.constexpr(2.0 ** 28)
 # dz = Qs - T lies in [-1, 1]; scaled by a power of two (exact) before it is rounded to fp16/bf16
 # for the matrix products, so small differences keep their precision in fp16.
 _DZ_SCALE = 4096.0
@@ -99,39 +110,69 @@ def _lse_z_kernel(qi_ptr, ki_ptr, qpos_ptr, qkb_ptr, lsez_ptr, Tq, Tk, iscale,
     tl.store(lsez_ptr + t64 * s_zt + i, lse, mask=valid)
 
 
+@triton.jit
+def _nearest(x):
+    """``x`` (fp32, ``|x| < 2^30``) rounded to the nearest integer (halves away from 0), int64."""
+    return (x + tl.where(x >= 0, 0.5, -0.5)).to(tl.int64)
+
+
+@triton.jit
+def _teacher_tile(q_desc, kt, lse_ptr, t64, valid, inside, m, i, s_lt, scale2, lse_shift,
+                  HPI: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  MASKED: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """``T = mean_h exp(s_h - lse_h)`` of one ``[BM, BN]`` tile over the ``HPI`` main heads of
+    index head ``i`` (the only pass over Q K^T). ``lse_shift = log2(HPI)`` folds the mean into
+    the exponent; ``MASKED`` False: a tile inside every row's support (no select per element)."""
+    teacher = tl.zeros([BM, BN], tl.float32)
+    for hl in range(HPI):
+        h = i * HPI + hl
+        qh = q_desc.load([m * BM, h * D])
+        lse2 = tl.load(lse_ptr + t64 * s_lt + h, mask=valid, other=0.0) * 1.4426950408889634
+        s2 = mma(qh, tl.trans(kt), UPCAST, IEEE) * scale2 - (lse2 + lse_shift)[:, None]
+        if MASKED:
+            s2 = tl.where(inside, s2, float("-inf"))
+        teacher += tl.exp2(s2)
+    return teacher
+
+
 @triton.jit(do_not_specialize=("Tq", "Tk"))
 def _dense_kl_kernel(
-    q_ptr, k_ptr, lse_ptr, qi_ptr, ki_ptr, lsez_ptr, qpos_ptr, qkb_ptr, mlo_ptr, mhi_ptr,
-    dqfix_ptr, dqnan_ptr, dkpart_ptr, klpart_ptr,
-    Tq, Tk, scale2, iscale,
-    s_qt, s_qh, s_kt, s_kh, s_lt, s_it, s_ih, s_jt, s_jh, s_zt,
+    q_desc, k_desc, qi_desc, ki_desc, lse_ptr, lsez_ptr, qpos_ptr, qkb_ptr, mlo_ptr, mhi_ptr,
+    dqscale_ptr, dqfix_ptr, dqfix_desc, dqnan_ptr, dkpart_ptr, klpart_ptr,
+    Tq, Tk, scale2, lse_shift, iscale, s_lt, s_zt,
     HI: tl.constexpr, HPI: tl.constexpr, IPG: tl.constexpr, HPK: tl.constexpr,
     D: tl.constexpr, DI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    GRAD: tl.constexpr, FIXED: tl.constexpr, DZS: tl.constexpr,
+    GRAD: tl.constexpr, DZS: tl.constexpr, TMA_REDUCE: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, ISO: tl.constexpr, bad_ptr,
 ):
-    """Key-tile-outer pass: KL partial per program, ``dk_idx`` partial per index head, fixed-point
-    ``dq_idx`` (module docstring). ``ISO``: the isolating products (``launch_both``)."""
+    """Key-tile-outer pass: KL partial per program, ``dk_idx`` partial per index head, packed
+    fixed-point ``dq_idx`` (module docstring). ``ISO``: the isolating products (``launch_both``);
+    ``TMA_REDUCE``: ``dq_idx`` added by one bulk tensor reduction per tile (GPU), else by
+    element atomics (interpreter)."""
     if skip(bad_ptr, ISO):
         return
     n = tl.program_id(0)
     i = tl.program_id(1)
     g = i // IPG
     j = i // HPK
-    d = tl.arange(0, D)
+    DH: tl.constexpr = DI // 2
     di = tl.arange(0, DI)
     krow = n * BN + tl.arange(0, BN)
     kmask = krow < Tk
     k64 = krow.to(tl.int64)
-    kt = tl.load(k_ptr + k64[:, None] * s_kt + g * s_kh + d[None, :], mask=kmask[:, None],
-                 other=0.0)
-    kit = tl.load(ki_ptr + k64[:, None] * s_jt + j * s_jh + di[None, :], mask=kmask[:, None],
-                  other=0.0)
+    k_first = n * BN
+    kt = k_desc.load([k_first, g * D])  # rows past Tk read as 0 (and are masked)
+    kit = ki_desc.load([k_first, j * DI])
     # Gradient products go through support_mma (MSA_SPEC 7): a 0 weight times a NaN/Inf index
     # row would otherwise reach every row of the tile, across sequences (ISO variant only).
     kit_bad = nonfinite(kit)
     dk = tl.zeros([BN, DI], tl.float32)
     kl_rows = tl.zeros([BM], tl.float32)
+    if GRAD:
+        # k_idx over its column's power-of-two bound (exact): dz @ kit_n is the fixed-point sum
+        # up to the scalar _FIELD_RANGE / DZS (dense_kl_loss, _column_bounds)
+        col_inv = tl.load(dqscale_ptr + j * DI + di)
+        kit_n = kit * col_inv[None, :].to(kit.dtype)
     m_lo = tl.load(mlo_ptr + n)
     m_hi = tl.load(mhi_ptr + n)
     for m in range(m_lo, m_hi):
@@ -141,17 +182,16 @@ def _dense_kl_kernel(
         pos = tl.load(qpos_ptr + t, mask=valid, other=-1)
         kb = tl.load(qkb_ptr + t, mask=valid, other=0)
         inside = support_mask(krow, kmask, kb, pos, valid)
-        teacher = tl.zeros([BM, BN], tl.float32)
-        for hl in range(HPI):
-            h = i * HPI + hl
-            qh = tl.load(q_ptr + t64[:, None] * s_qt + h * s_qh + d[None, :],
-                         mask=valid[:, None], other=0.0)
-            lse2 = tl.load(lse_ptr + t64 * s_lt + h, mask=valid, other=0.0) * 1.4426950408889634
-            s2 = mma(qh, tl.trans(kt), UPCAST, IEEE) * scale2 - lse2[:, None]
-            teacher += tl.exp2(tl.where(inside, s2, float("-inf")))
-        teacher = teacher * (1.0 / HPI)
-        qi = tl.load(qi_ptr + t64[:, None] * s_it + i * s_ih + di[None, :], mask=valid[:, None],
-                     other=0.0)
+        # every row valid and sees every key of the tile (invalid rows have kb + pos = -1, a
+        # partial key tile ends past Tk > kb + pos): no per-element mask in the head loop
+        full = (tl.max(kb, axis=0) <= k_first) & (tl.min(kb + pos, axis=0) >= k_first + BN - 1)
+        if full:
+            teacher = _teacher_tile(q_desc, kt, lse_ptr, t64, valid, inside, m, i, s_lt, scale2,
+                                    lse_shift, HPI, D, BM, BN, False, UPCAST, IEEE)
+        else:
+            teacher = _teacher_tile(q_desc, kt, lse_ptr, t64, valid, inside, m, i, s_lt, scale2,
+                                    lse_shift, HPI, D, BM, BN, True, UPCAST, IEEE)
+        qi = qi_desc.load([m * BM, i * DI])
         lse_z = tl.load(lsez_ptr + t64 * s_zt + i, mask=valid, other=0.0)
         # natural units, the very z of _lse_z_kernel: z - lse_z cancels exactly at large |z|
         log_qs = mma(qi, tl.trans(kit), UPCAST, IEEE) * iscale - lse_z[:, None]
@@ -160,24 +200,57 @@ def _dense_kl_kernel(
         log_t = tl.log(tl.where(has_t, teacher, 1.0))
         kl_rows += tl.sum(tl.where(has_t, teacher * (log_t - log_qs), 0.0), axis=1)
         if GRAD:
-            dz = tl.where(inside, tl.exp(log_qs) - teacher, 0.0) * DZS
-            dk += support_mma(tl.trans(dz.to(qi.dtype)), qi, nonfinite(qi), tl.trans(inside),
-                              UPCAST, IEEE, ISO)
-            dq = support_mma(dz.to(kit.dtype), kit, kit_bad, inside, UPCAST, IEEE, ISO)
+            dz = (tl.where(inside, tl.exp(log_qs) - teacher, 0.0) * DZS).to(qi.dtype)
+            dk += support_mma(tl.trans(dz), qi, nonfinite(qi), tl.trans(inside), UPCAST, IEEE,
+                              ISO)
+            dq = support_mma(dz, kit_n, kit_bad, inside, UPCAST, IEEE, ISO)
             # (dz itself may be NaN/Inf where q, k or lse is: not isolated, MSA_SPEC 7 lets it
             # reach the row and key it belongs to; both variants keep it out of fixed point.)
-            # Fixed point holds the finite entries; a row with a NaN/Inf entry gets NaN through
-            # the float channel (only 0 or NaN are added there: order-independent).
             dq_bad = nonfinite(dq)
-            fixed = (tl.where(dq_bad, 0.0, dq) * (FIXED / DZS)).to(tl.int64)
-            tl.atomic_add(dqfix_ptr + (t64[:, None] * HI + i) * DI + di[None, :], fixed,
-                          mask=valid[:, None], sem="relaxed")
-            poison = tl.where(tl.max(dq_bad.to(tl.int32), axis=1) > 0, float("nan"), 0.0)
-            tl.atomic_add(dqnan_ptr + t64 * HI + i, poison, mask=valid, sem="relaxed")
+            x = tl.where(dq_bad, 0.0, dq) * (_FIELD_RANGE / DZS)
+            lo, hi = tl.split(tl.reshape(x, [BM, DH, 2]))  # columns 2c and 2c + 1
+            packed = _nearest(hi) * 4294967296 + _nearest(lo)
+            if TMA_REDUCE:
+                dqfix_desc.atomic_add([m * BM, i * DH], packed.to(tl.uint64, bitcast=True))
+            else:
+                c = tl.arange(0, DH)
+                tl.atomic_add(dqfix_ptr + (t64[:, None] * HI + i) * DH + c[None, :], packed,
+                              mask=valid[:, None], sem="relaxed")
+            # A row with a NaN/Inf entry gets NaN through the float channel (only NaN is added
+            # there: order-independent); finite tiles add nothing.
+            row_bad = tl.max(dq_bad.to(tl.int32), axis=1) > 0
+            if tl.max(row_bad.to(tl.int32), axis=0) > 0:
+                tl.atomic_add(dqnan_ptr + t64 * HI + i, float("nan"), mask=valid & row_bad,
+                              sem="relaxed")
     tl.store(klpart_ptr + n * HI + i, tl.sum(kl_rows, axis=0))
     if GRAD:
         tl.store(dkpart_ptr + (i * Tk + k64[:, None]) * DI + di[None, :], dk * (1.0 / DZS),
                  mask=kmask[:, None])
+
+
+def _descriptor(t: torch.Tensor, block) -> "TensorDescriptor":
+    """A host tensor descriptor of a contiguous 2-D view (bulk tensor loads / reductions)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t, list(block))
+
+
+def _column_bounds(k_idx: torch.Tensor) -> torch.Tensor:
+    """``[Hik, Di]`` float64: per index key head and column, the smallest power of two at or
+    above ``max |k_idx|`` over the column's finite entries (1 for an all-zero column); no host
+    sync. ``dq_idx`` column ``d`` of index head ``i`` is held in units of
+    ``bound[j, d] / _FIELD_RANGE`` (``j = i // (Hi / Hik)``)."""
+    mag = torch.where(torch.isfinite(k_idx), k_idx.abs(), 0).amax(0).double()  # [Hik, Di]
+    bound = torch.exp2(torch.ceil(torch.log2(mag))).clamp_min(2.0 ** -100)
+    return torch.where(mag > 0, bound, torch.ones_like(bound)).contiguous()
+
+
+def _unpack_fixed(packed: torch.Tensor) -> torch.Tensor:
+    """``[..., Di]`` int64 sums of the two 32-bit fields of ``packed [..., Di / 2]`` (low field:
+    column 2c, high field: column 2c + 1); exact while each field's sum stays below 2^31."""
+    low = ((packed + 2 ** 31) & 0xFFFFFFFF) - 2 ** 31
+    high = (packed - low) >> 32
+    return torch.stack([low, high], dim=-1).flatten(-2)
 
 
 def _query_tile_ranges(q_pos: torch.Tensor, q_kbase: torch.Tensor, Tk: int, bm: int, bn: int):
@@ -231,8 +304,10 @@ def dense_kl_loss(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: float,
                   torch.zeros(k_idx.shape, dtype=acc, device=dev)) if compute_grad
                  else (q_idx.new_empty((0,)), k_idx.new_empty((0,))))
         return torch.zeros((), dtype=torch.float32, device=dev), *grads
-    q, k, lse, q_idx, k_idx = (x.contiguous() for x in (q, k, lse, q_idx, k_idx))
-    lse = lse.float()
+    # bulk tensor loads want 16-byte aligned bases (a contiguous view may start anywhere)
+    q, k, q_idx, k_idx = (x.contiguous() if x.contiguous().data_ptr() % 16 == 0
+                          else x.contiguous().clone() for x in (q, k, q_idx, k_idx))
+    lse = lse.float().contiguous()
     upcast, ieee = dot_flags(q.dtype)
     bm, bn, warps, stages = tiles()
     if interpreting():
@@ -251,29 +326,39 @@ def dense_kl_loss(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: float,
     m_lo, m_hi = _query_tile_ranges(q_pos, q_kbase, Tk, bm, bn)
     n_tiles = triton.cdiv(Tk, bn)
     kl_part = torch.empty(n_tiles * Hi, dtype=torch.float32, device=dev)
+    dh = Di // 2
     if compute_grad:
-        dq_fixed = torch.zeros((Tq, Hi, Di), dtype=torch.int64, device=dev)
+        dq_fixed = torch.zeros((Tq, Hi, dh), dtype=torch.int64, device=dev)
         dq_nan = torch.zeros((Tq, Hi), dtype=torch.float32, device=dev)
         dk_part = torch.empty((Hi, Tk, Di), dtype=torch.float32, device=dev)
+        col_bound = _column_bounds(k_idx)  # [Hik, Di] float64, powers of two
+        dq_scale = (1.0 / col_bound).float().contiguous()
+        col_scale = (_FIELD_RANGE.value / col_bound).repeat_interleave(Hi // Hik, dim=0)
     else:
-        dq_fixed = dq_nan = dk_part = kl_part  # unused placeholders
+        dq_fixed = torch.zeros((1, Hi, dh), dtype=torch.int64, device=dev)  # placeholders
+        dq_nan = dk_part = dq_scale = kl_part
+    tma_reduce = not interpreting()  # the interpreter has no bulk tensor reduction
+    dq_desc = _descriptor(dq_fixed.view(dq_fixed.shape[0], Hi * dh).view(torch.uint64)
+                          if tma_reduce else dq_fixed.view(dq_fixed.shape[0], Hi * dh),
+                          (bm, dh))
     bad = nonfinite_flag(q_idx, k_idx)  # the operands support_mma isolates
     launch_both(
         _dense_kl_kernel, (n_tiles, Hi),
-        q, k, lse, q_idx, k_idx, lse_z, q_pos, q_kbase, m_lo, m_hi, dq_fixed, dq_nan, dk_part,
-        kl_part, Tq, Tk, scale2, iscale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0), q_idx.stride(0),
-        q_idx.stride(1), k_idx.stride(0), k_idx.stride(1), lse_z.stride(0),
+        _descriptor(q.view(Tq, Hq * D), (bm, D)), _descriptor(k.view(Tk, Hkv * D), (bn, D)),
+        _descriptor(q_idx.view(Tq, Hi * Di), (bm, Di)),
+        _descriptor(k_idx.view(Tk, Hik * Di), (bn, Di)),
+        lse, lse_z, q_pos, q_kbase, m_lo, m_hi, dq_scale, dq_fixed, dq_desc, dq_nan, dk_part,
+        kl_part, Tq, Tk, scale2, math.log2(Hq // Hi), iscale, lse.stride(0), lse_z.stride(0),
         HI=Hi, HPI=Hq // Hi, IPG=Hi // Hkv, HPK=Hi // Hik, D=D, DI=Di, BM=bm, BN=bn,
-        GRAD=compute_grad, FIXED=_FIXED_SCALE, DZS=_DZ_SCALE, UPCAST=upcast, IEEE=ieee,
+        GRAD=compute_grad, DZS=_DZ_SCALE, TMA_REDUCE=tma_reduce, UPCAST=upcast, IEEE=ieee,
         bad_ptr=bad, num_warps=warps, num_stages=stages,
     )
     value = kl_part.sum() * kl_scale
     if not compute_grad:
         return value, q_idx.new_empty((0,)), k_idx.new_empty((0,))
     out_scale = float(index_scale) * float(kl_scale)
-    dq_idx = (dq_fixed.to(torch.float64) * (out_scale / _FIXED_SCALE)).to(acc)
-    dq_idx = dq_idx + dq_nan.to(acc)[:, :, None]
+    dq_idx = _unpack_fixed(dq_fixed).to(torch.float64) * (out_scale / col_scale)[None]
+    dq_idx = dq_idx.to(acc) + dq_nan.to(acc)[:, :, None]
     # index heads reading one index key head, summed in a fixed order
     dk_idx = dk_part.view(Hik, Hi // Hik, Tk, Di).sum(1).transpose(0, 1) * out_scale
     return value, dq_idx.contiguous(), dk_idx.to(acc).contiguous()

@@ -50,11 +50,13 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 SHARED_LIMIT = 232448  # bytes per block on sm_90 (227 KiB)
 SM_SHARED = 233472  # bytes per multiprocessor on sm_90 (228 KiB)
 POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16",
-                 torch.int32: "*i32", torch.int64: "*i64", torch.int8: "*i8", torch.bool: "*i1"}
+                 torch.int32: "*i32", torch.int64: "*i64", torch.int8: "*i8", torch.bool: "*i1",
+                 torch.uint64: "*u64"}
 
 
 def record_launches():
@@ -81,6 +83,9 @@ def record_launches():
             elif isinstance(value, torch.Tensor):
                 signature[name] = POINTER_TYPES[value.dtype]
                 aligned.append(index)  # CUDA allocations are 256-byte aligned
+            elif isinstance(value, TensorDescriptor):  # bulk-copy tiles (dense KL)
+                dtype = POINTER_TYPES[value.base.dtype][1:]
+                signature[name] = f"tensordesc<{dtype}{list(value.block_shape)}>"
             elif isinstance(value, bool):
                 signature[name] = "i1"
             elif isinstance(value, int):
@@ -93,12 +98,18 @@ def record_launches():
                 raise TypeError(f"{fn.__name__}: argument {name} of type {type(value)}")
         if "UPCAST" in constants:  # dot_flags() on the GPU: never upcast
             constants["UPCAST"] = False
+        if "TMA_REDUCE" in constants:  # the GPU adds by bulk reductions (interpreter: atomics)
+            constants["TMA_REDUCE"] = True
         key = (fn.__module__, fn.__name__, tuple(sorted(map(str, constants.items()))))
         launches[key] = (fn.__module__, fn.__name__, signature, constants,
                          kwargs.get("num_warps", 4), kwargs.get("num_stages"), tuple(aligned))
         return original(self, *args, **kwargs)
 
     interpreter.GridExecutor.__call__ = recording
+    from msa_megatron.ops.triton import dense_kl
+
+    # the dense KL runs at its GPU tiles (the interpreter's own default is 16 x 16)
+    os.environ.setdefault(dense_kl.TILES_ENV, ",".join(map(str, dense_kl.tiles())))
     try:
         from msa_megatron import msa_attention
 

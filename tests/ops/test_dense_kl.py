@@ -131,3 +131,45 @@ def test_tile_setting_is_validated(monkeypatch):
         dense_kl.tiles()
     monkeypatch.setenv(dense_kl.TILES_ENV, "128,64,8,3")
     assert dense_kl.tiles() == (128, 64, 8, 3)
+
+
+def test_packed_fields_unpack_exactly():
+    """Two signed 32-bit fields per int64 (column 2c low, 2c + 1 high): sums of packed values
+    unpack to the sums of each field, whatever the signs, up to |field sum| < 2^31."""
+    from msa_megatron.ops.triton.dense_kl import _unpack_fixed
+
+    gen = torch.Generator().manual_seed(3)
+    fields = torch.randint(-(2 ** 24), 2 ** 24, (64, 5, 6, 2), generator=gen, dtype=torch.int64)
+    fields[:, 0, 0] = torch.tensor([-(2 ** 24), 2 ** 24 - 1])  # both sums near +-2^30
+    packed = fields[..., 1] * 2 ** 32 + fields[..., 0]  # what the kernel adds
+    got = _unpack_fixed(packed.sum(0))
+    assert torch.equal(got, fields.sum(0).flatten(-2))
+    assert got[0, :2].tolist() == [-(2 ** 30), 64 * (2 ** 24 - 1)]
+
+
+def test_head_bounds_are_powers_of_two_over_finite_values():
+    from msa_megatron.ops.triton.dense_kl import _head_bounds
+
+    k_idx = torch.zeros(5, 3, 4)
+    k_idx[1, 0, 2] = -3.0  # bound 4
+    k_idx[2, 1, 0] = 0.25  # exactly a power of two: bound 0.25
+    k_idx[3, 1, 1] = float("inf")  # ignored
+    k_idx[4, 1, 3] = float("nan")  # ignored
+    assert _head_bounds(k_idx).tolist() == [4.0, 0.25, 1.0]  # head 2 all zero: 1
+
+
+@pytest.mark.parametrize("spread", [1.0, 1e3], ids=["unit", "outlier-column"])
+def test_fixed_point_keeps_small_gradients(spread, seed):
+    """dq_idx in units of 2^-28 of the head's largest |k_idx|: one column a thousand times larger
+    than the rest leaves the others' gradients as exact as with unit columns."""
+    q, k, v, q_idx, k_idx, q_pos, q_kbase = _case(seed, False)
+    with torch.no_grad():
+        k_idx[:, :, 0] *= spread
+    got = _triton_kl(q, k, v, q_idx, k_idx, q_pos, q_kbase)
+    leaves = [x.detach().double().requires_grad_() for x in (q_idx, k_idx)]
+    want = ref.kl_core_reference(q.double(), k.double(), *leaves, None, q_pos, q_kbase,
+                                 block_size=16, kl_scale=0.3)
+    want_dq = torch.autograd.grad(want, leaves)[0]
+    rest = (slice(None), slice(None), slice(1, None))  # the columns that were not scaled
+    assert rel_err(got[1][rest], want_dq[rest]) < 2e-5
+    assert rel_err(got[1], want_dq) < 2e-5

@@ -14,17 +14,19 @@ Two kernels:
 2. ``_dense_kl_kernel`` (key-tile-outer): one program per (key tile, index head) loads its K and
    index-key tiles once and walks the query tiles that can see them. Per query tile it
    recomputes the teacher from the ``Hq/Hi`` main heads (one ``[BM, BN]`` product each, the only
-   pass over Q K^T; tiles inside every row's support skip the mask), the student from the index
-   product, adds the KL and ``dz^T q_idx`` (the index-key gradient of its own rows, in
-   registers: deterministic), and adds ``dz k_idx`` to the index-query gradient. Tiles come by
-   bulk tensor copies (host ``TensorDescriptor``). Several programs add to one query row, so
-   that sum is kept in **packed fixed point**: two signed 32-bit fields per int64 (columns
-   ``2c`` and ``2c + 1``), column ``d`` in units of ``bound_d / 2^28`` (:func:`_column_bounds`;
-   ``|dq_idx| <= 2 bound_d`` keeps every partial sum below ``2^29``, so the fields never carry
-   into each other), each contribution rounded to the nearest unit. Integer addition is
-   associative, so the result is bitwise the same whatever the order (deterministic). On the
-   GPU a tile's int64 block is added by one bulk tensor reduction (``desc.atomic_add``); the
-   interpreter adds the same integers with element atomics.
+   pass over Q K^T; the support mask is applied once per tile, not per head, and the head mean
+   is folded into the exponent), the student from the index product, adds the KL and
+   ``dz^T q_idx`` (the index-key gradient of its own rows, in registers: deterministic), and
+   adds ``dz k_idx`` to the index-query gradient. Tiles come by bulk tensor copies (host
+   ``TensorDescriptor``). Several programs add to one query row, so that sum is kept in
+   **packed fixed point**: two signed 32-bit fields per int64 (columns ``2c`` and ``2c + 1``),
+   in units of ``bound / 2^28`` with ``bound`` the power of two at or above the index key
+   head's largest finite ``|k_idx|`` (:func:`_head_bounds`; ``|dq_idx| <= 2 bound`` keeps every
+   partial sum below ``2^29``, so the fields never carry into each other), each contribution
+   rounded to the nearest unit. Integer addition is associative, so the result is bitwise the
+   same whatever the order (deterministic). On the GPU a tile's int64 block is added by one
+   bulk tensor reduction (``desc.atomic_add``); the interpreter adds the same integers with
+   element atomics.
 
 Non-finite inputs (MSA_SPEC section 7, issue 15's scheme of :mod:`._isolation`): both gradient
 products are :func:`~._isolation.support_mma` (NaN exactly where a row's support meets a NaN/Inf
@@ -32,13 +34,13 @@ index row), in the ``ISO`` variant the device flag selects when ``q_idx`` or ``k
 NaN/Inf (:func:`~._isolation.launch_both`; finite inputs run the plain products), supports
 are applied with ``where``, never by multiplying, ``lse_z`` is :func:`~._isolation.log_sum_exp`
 (NaN/+inf kept) and a NaN teacher entry counts in the KL (``T != 0``), so the KL is NaN as soon
-as one row's is. A NaN/Inf ``dq_idx`` entry cannot be held in fixed point: it is stored as 0
-there and its row receives NaN by a float atomic add (only NaN is added, by the tiles that hold
+as one row's is. A NaN/Inf ``dq_idx`` entry cannot be held in fixed point: its row's tile adds 0
+there and the row receives NaN by a float atomic add (only NaN is added, by the tiles that hold
 one: deterministic).
 
-Tile sizes: ``MSA_DENSE_KL_TILES="BM,BN,warps,stages"`` (default ``64,64,4,1``: two programs
-per SM on sm_90, 80 KiB of shared memory each; docs/DESIGN.md, dense mode); key tiles are dealt
-in order, the earliest (with the most query tiles) first.
+Tile sizes: ``MSA_DENSE_KL_TILES="BM,BN,warps,stages"`` (default ``64,64,8,2``; sm_90 resources
+of the candidates in benchmarks/NOTES.md); key tiles are dealt in order, the earliest (with the
+most query tiles) first.
 """
 
 from __future__ import annotations
@@ -56,17 +58,18 @@ from ._common import (
 from ._isolation import launch_both, log_sum_exp, nonfinite, nonfinite_flag, skip, support_mma
 
 TILES_ENV = "MSA_DENSE_KL_TILES"
-_DEFAULT_TILES = (64, 64, 4, 1)
-# dq_idx fixed point: two signed 32-bit fields per int64 (columns 2c and 2c + 1). A column's
-# scale is _FIELD_RANGE / max |k_idx| over that column's finite entries: |dq_idx| before scaling
-# is at most sum_u |dz| * max |k_idx| <= 2 max |k_idx| (teacher and student rows each sum to 1),
-# so every partial sum stays below 2^29, a quarter of the field; one unit is 2^-28 of the
-# column's largest |k_idx|.
+_DEFAULT_TILES = (64, 64, 8, 2)
+# dq_idx fixed point: two signed 32-bit fields per int64 (columns 2c and 2c + 1), one unit is
+# bound / _FIELD_RANGE with bound the power of two at or above the index key head's largest
+# finite |k_idx| (_head_bounds). |dq_idx| before scaling is at most sum_u |dz| max |k_idx| <=
+# 2 bound (teacher and student rows each sum to 1), so every partial sum stays below 2^29, a
+# quarter of a field.
 _FIELD_RANGE = tl.constexpr(2.0 ** 28)
 # dz = Qs - T lies in [-1, 1]; scaled by a power of two (exact) before it is rounded to fp16/bf16
 # for the matrix products, so small differences keep their precision in fp16.
 _DZ_SCALE = 4096.0
 _LOG2E = 1.4426950408889634
+_LOG2E_C = tl.constexpr(_LOG2E)
 
 
 def tiles() -> tuple:
@@ -112,33 +115,15 @@ def _lse_z_kernel(qi_ptr, ki_ptr, qpos_ptr, qkb_ptr, lsez_ptr, Tq, Tk, iscale,
 
 @triton.jit
 def _nearest(x):
-    """``x`` (fp32, ``|x| < 2^30``) rounded to the nearest integer (halves away from 0), int64."""
-    return (x + tl.where(x >= 0, 0.5, -0.5)).to(tl.int64)
-
-
-@triton.jit
-def _teacher_tile(q_desc, kt, lse_ptr, t64, valid, inside, m, i, s_lt, scale2, lse_shift,
-                  HPI: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  MASKED: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """``T = mean_h exp(s_h - lse_h)`` of one ``[BM, BN]`` tile over the ``HPI`` main heads of
-    index head ``i`` (the only pass over Q K^T). ``lse_shift = log2(HPI)`` folds the mean into
-    the exponent; ``MASKED`` False: a tile inside every row's support (no select per element)."""
-    teacher = tl.zeros([BM, BN], tl.float32)
-    for hl in range(HPI):
-        h = i * HPI + hl
-        qh = q_desc.load([m * BM, h * D])
-        lse2 = tl.load(lse_ptr + t64 * s_lt + h, mask=valid, other=0.0) * 1.4426950408889634
-        s2 = mma(qh, tl.trans(kt), UPCAST, IEEE) * scale2 - (lse2 + lse_shift)[:, None]
-        if MASKED:
-            s2 = tl.where(inside, s2, float("-inf"))
-        teacher += tl.exp2(s2)
-    return teacher
+    """``x`` (fp32, ``|x| < 2^30``) rounded to the nearest integer (halves away from 0), int32
+    (int64 only once packed: half the registers)."""
+    return (x + tl.where(x >= 0, 0.5, -0.5)).to(tl.int32)
 
 
 @triton.jit(do_not_specialize=("Tq", "Tk"))
 def _dense_kl_kernel(
     q_desc, k_desc, qi_desc, ki_desc, lse_ptr, lsez_ptr, qpos_ptr, qkb_ptr, mlo_ptr, mhi_ptr,
-    dqscale_ptr, dqfix_ptr, dqfix_desc, dqnan_ptr, dkpart_ptr, klpart_ptr,
+    dqunit_ptr, dqfix_ptr, dqfix_desc, dqnan_ptr, dkpart_ptr, klpart_ptr,
     Tq, Tk, scale2, lse_shift, iscale, s_lt, s_zt,
     HI: tl.constexpr, HPI: tl.constexpr, IPG: tl.constexpr, HPK: tl.constexpr,
     D: tl.constexpr, DI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -160,65 +145,64 @@ def _dense_kl_kernel(
     krow = n * BN + tl.arange(0, BN)
     kmask = krow < Tk
     k64 = krow.to(tl.int64)
-    k_first = n * BN
-    kt = k_desc.load([k_first, g * D])  # rows past Tk read as 0 (and are masked)
-    kit = ki_desc.load([k_first, j * DI])
+    kt = k_desc.load([n * BN, g * D])  # rows past Tk read as 0 (and are masked)
+    kit = ki_desc.load([n * BN, j * DI])
     # Gradient products go through support_mma (MSA_SPEC 7): a 0 weight times a NaN/Inf index
     # row would otherwise reach every row of the tile, across sequences (ISO variant only).
     kit_bad = nonfinite(kit)
     dk = tl.zeros([BN, DI], tl.float32)
     kl_rows = tl.zeros([BM], tl.float32)
-    if GRAD:
-        # k_idx over its column's power-of-two bound (exact): dz @ kit_n is the fixed-point sum
-        # up to the scalar _FIELD_RANGE / DZS (dense_kl_loss, _column_bounds)
-        col_inv = tl.load(dqscale_ptr + j * DI + di)
-        kit_n = kit * col_inv[None, :].to(kit.dtype)
+    # fixed-point units per unit of dz k_idx (x DZS): _FIELD_RANGE / bound_j (dense_kl_loss)
+    dq_units = tl.load(dqunit_ptr + j)
     m_lo = tl.load(mlo_ptr + n)
     m_hi = tl.load(mhi_ptr + n)
     for m in range(m_lo, m_hi):
         t = m * BM + tl.arange(0, BM)
         valid = t < Tq
         t64 = t.to(tl.int64)
+        # The teacher T = mean_h exp(s_h - lse_h) over the HPI main heads of index head i: one
+        # [BM, BN] product per head, the only pass over Q K^T. No mask inside the loop: entries
+        # outside a row's support (finite, +inf at worst, never NaN for finite inputs) are
+        # dropped once below; the mean is folded into the exponent (lse_shift = log2 HPI).
+        teacher = tl.zeros([BM, BN], tl.float32)
+        for hl in range(HPI):
+            h = i * HPI + hl
+            qh = q_desc.load([m * BM, h * D])  # rows past Tq read as 0
+            lse2 = tl.load(lse_ptr + t64 * s_lt + h, mask=valid, other=0.0) * _LOG2E_C
+            teacher += tl.exp2(mma(qh, tl.trans(kt), UPCAST, IEEE) * scale2
+                               - (lse2 + lse_shift)[:, None])
         pos = tl.load(qpos_ptr + t, mask=valid, other=-1)
         kb = tl.load(qkb_ptr + t, mask=valid, other=0)
         inside = support_mask(krow, kmask, kb, pos, valid)
-        # every row valid and sees every key of the tile (invalid rows have kb + pos = -1, a
-        # partial key tile ends past Tk > kb + pos): no per-element mask in the head loop
-        full = (tl.max(kb, axis=0) <= k_first) & (tl.min(kb + pos, axis=0) >= k_first + BN - 1)
-        if full:
-            teacher = _teacher_tile(q_desc, kt, lse_ptr, t64, valid, inside, m, i, s_lt, scale2,
-                                    lse_shift, HPI, D, BM, BN, False, UPCAST, IEEE)
-        else:
-            teacher = _teacher_tile(q_desc, kt, lse_ptr, t64, valid, inside, m, i, s_lt, scale2,
-                                    lse_shift, HPI, D, BM, BN, True, UPCAST, IEEE)
+        teacher = tl.where(inside, teacher, 0.0)
         qi = qi_desc.load([m * BM, i * DI])
         lse_z = tl.load(lsez_ptr + t64 * s_zt + i, mask=valid, other=0.0)
         # natural units, the very z of _lse_z_kernel: z - lse_z cancels exactly at large |z|
         log_qs = mma(qi, tl.trans(kit), UPCAST, IEEE) * iscale - lse_z[:, None]
         # != 0 (not > 0): a NaN teacher (non-finite q/k/lse in the row's support) makes the KL NaN
-        has_t = inside & (teacher != 0)
+        has_t = teacher != 0  # (0 outside the support)
         log_t = tl.log(tl.where(has_t, teacher, 1.0))
         kl_rows += tl.sum(tl.where(has_t, teacher * (log_t - log_qs), 0.0), axis=1)
         if GRAD:
             dz = (tl.where(inside, tl.exp(log_qs) - teacher, 0.0) * DZS).to(qi.dtype)
             dk += support_mma(tl.trans(dz), qi, nonfinite(qi), tl.trans(inside), UPCAST, IEEE,
                               ISO)
-            dq = support_mma(dz, kit_n, kit_bad, inside, UPCAST, IEEE, ISO)
+            dq = support_mma(dz, kit, kit_bad, inside, UPCAST, IEEE, ISO)
             # (dz itself may be NaN/Inf where q, k or lse is: not isolated, MSA_SPEC 7 lets it
             # reach the row and key it belongs to; both variants keep it out of fixed point.)
-            dq_bad = nonfinite(dq)
-            x = tl.where(dq_bad, 0.0, dq) * (_FIELD_RANGE / DZS)
+            # a row holding NaN/Inf (its sum is not finite; a finite row's sum stays far below
+            # the fp32 range) adds 0 here and NaN through the float channel below
+            row_bad = nonfinite(tl.sum(dq, axis=1))
+            x = tl.where(row_bad[:, None], 0.0, dq) * dq_units
             lo, hi = tl.split(tl.reshape(x, [BM, DH, 2]))  # columns 2c and 2c + 1
-            packed = _nearest(hi) * 4294967296 + _nearest(lo)
+            packed = _nearest(hi).to(tl.int64) * 4294967296 + _nearest(lo).to(tl.int64)
             if TMA_REDUCE:
                 dqfix_desc.atomic_add([m * BM, i * DH], packed.to(tl.uint64, bitcast=True))
             else:
                 c = tl.arange(0, DH)
                 tl.atomic_add(dqfix_ptr + (t64[:, None] * HI + i) * DH + c[None, :], packed,
                               mask=valid[:, None], sem="relaxed")
-            # A row with a NaN/Inf entry gets NaN through the float channel (only NaN is added
-            # there: order-independent); finite tiles add nothing.
-            row_bad = tl.max(dq_bad.to(tl.int32), axis=1) > 0
+            # only NaN is added there, by the tiles that hold one: order-independent
             if tl.max(row_bad.to(tl.int32), axis=0) > 0:
                 tl.atomic_add(dqnan_ptr + t64 * HI + i, float("nan"), mask=valid & row_bad,
                               sem="relaxed")
@@ -235,13 +219,13 @@ def _descriptor(t: torch.Tensor, block) -> "TensorDescriptor":
     return TensorDescriptor.from_tensor(t, list(block))
 
 
-def _column_bounds(k_idx: torch.Tensor) -> torch.Tensor:
-    """``[Hik, Di]`` float64: per index key head and column, the smallest power of two at or
-    above ``max |k_idx|`` over the column's finite entries (1 for an all-zero column); no host
-    sync. ``dq_idx`` column ``d`` of index head ``i`` is held in units of
-    ``bound[j, d] / _FIELD_RANGE`` (``j = i // (Hi / Hik)``)."""
-    mag = torch.where(torch.isfinite(k_idx), k_idx.abs(), 0).amax(0).double()  # [Hik, Di]
-    bound = torch.exp2(torch.ceil(torch.log2(mag))).clamp_min(2.0 ** -100)
+def _head_bounds(k_idx: torch.Tensor) -> torch.Tensor:
+    """``[Hik]`` float64: per index key head, the smallest power of two at or above
+    ``max |k_idx[:, j, :]|`` over finite entries (1 when all are 0), within ``[2^-100, 2^100]``;
+    no host sync. Index head ``i``'s ``dq_idx`` is held in units of
+    ``bound[i // (Hi / Hik)] / _FIELD_RANGE``."""
+    mag = torch.where(torch.isfinite(k_idx), k_idx.abs(), 0).amax((0, 2)).double()  # [Hik]
+    bound = torch.exp2(torch.ceil(torch.log2(mag))).clamp(2.0 ** -100, 2.0 ** 100)
     return torch.where(mag > 0, bound, torch.ones_like(bound)).contiguous()
 
 
@@ -310,7 +294,7 @@ def dense_kl_loss(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: float,
     lse = lse.float().contiguous()
     upcast, ieee = dot_flags(q.dtype)
     bm, bn, warps, stages = tiles()
-    if interpreting():
+    if interpreting() and not os.environ.get(TILES_ENV):  # small tiles: CPU time
         bm, bn, warps, stages = 16, 16, 4, 1
     elif q.dtype.itemsize > 2:  # fp32 tiles: twice the bytes (sm_90 shared memory)
         bm, bn, stages = tile_rows(bm, q.dtype), tile_rows(bn, q.dtype), 1
@@ -331,23 +315,21 @@ def dense_kl_loss(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: float,
         dq_fixed = torch.zeros((Tq, Hi, dh), dtype=torch.int64, device=dev)
         dq_nan = torch.zeros((Tq, Hi), dtype=torch.float32, device=dev)
         dk_part = torch.empty((Hi, Tk, Di), dtype=torch.float32, device=dev)
-        col_bound = _column_bounds(k_idx)  # [Hik, Di] float64, powers of two
-        dq_scale = (1.0 / col_bound).float().contiguous()
-        col_scale = (_FIELD_RANGE.value / col_bound).repeat_interleave(Hi // Hik, dim=0)
+        bound = _head_bounds(k_idx)  # [Hik] float64, powers of two
+        dq_units = (_FIELD_RANGE.value / _DZ_SCALE / bound).float().contiguous()
     else:
         dq_fixed = torch.zeros((1, Hi, dh), dtype=torch.int64, device=dev)  # placeholders
-        dq_nan = dk_part = dq_scale = kl_part
+        dq_nan = dk_part = dq_units = kl_part
     tma_reduce = not interpreting()  # the interpreter has no bulk tensor reduction
-    dq_desc = _descriptor(dq_fixed.view(dq_fixed.shape[0], Hi * dh).view(torch.uint64)
-                          if tma_reduce else dq_fixed.view(dq_fixed.shape[0], Hi * dh),
-                          (bm, dh))
+    # (bulk reductions add u64; two's complement: the same bits as the int64 sum)
+    dq_desc = _descriptor(dq_fixed.view(dq_fixed.shape[0], Hi * dh).view(torch.uint64), (bm, dh))
     bad = nonfinite_flag(q_idx, k_idx)  # the operands support_mma isolates
     launch_both(
         _dense_kl_kernel, (n_tiles, Hi),
         _descriptor(q.view(Tq, Hq * D), (bm, D)), _descriptor(k.view(Tk, Hkv * D), (bn, D)),
         _descriptor(q_idx.view(Tq, Hi * Di), (bm, Di)),
         _descriptor(k_idx.view(Tk, Hik * Di), (bn, Di)),
-        lse, lse_z, q_pos, q_kbase, m_lo, m_hi, dq_scale, dq_fixed, dq_desc, dq_nan, dk_part,
+        lse, lse_z, q_pos, q_kbase, m_lo, m_hi, dq_units, dq_fixed, dq_desc, dq_nan, dk_part,
         kl_part, Tq, Tk, scale2, math.log2(Hq // Hi), iscale, lse.stride(0), lse_z.stride(0),
         HI=Hi, HPI=Hq // Hi, IPG=Hi // Hkv, HPK=Hi // Hik, D=D, DI=Di, BM=bm, BN=bn,
         GRAD=compute_grad, DZS=_DZ_SCALE, TMA_REDUCE=tma_reduce, UPCAST=upcast, IEEE=ieee,
@@ -357,7 +339,8 @@ def dense_kl_loss(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: float,
     if not compute_grad:
         return value, q_idx.new_empty((0,)), k_idx.new_empty((0,))
     out_scale = float(index_scale) * float(kl_scale)
-    dq_idx = _unpack_fixed(dq_fixed).to(torch.float64) * (out_scale / col_scale)[None]
+    unit = (bound / _FIELD_RANGE.value).repeat_interleave(Hi // Hik)  # [Hi]
+    dq_idx = _unpack_fixed(dq_fixed).to(torch.float64) * (unit * out_scale)[None, :, None]
     dq_idx = dq_idx.to(acc) + dq_nan.to(acc)[:, :, None]
     # index heads reading one index key head, summed in a fixed order
     dk_idx = dk_part.view(Hik, Hi // Hik, Tk, Di).sum(1).transpose(0, 1) * out_scale

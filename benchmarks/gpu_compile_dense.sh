@@ -14,8 +14,8 @@ mkdir -p "$OUT"
 . benchmarks/gpu_env.sh
 sweep=()
 [ "${SWEEP:-1}" = 1 ] || sweep=(--no-kl-sweep)
-timeout "${LIMIT:-465}" python3 benchmarks/bench_compile.py "$OUT/compile_dense_h200.json" \
-    --budget "${BUDGET:-440}" --sections "${SECTIONS:-dense_checks,dense_rows,layer,op}" \
+timeout "${LIMIT:-450}" python3 benchmarks/bench_compile.py "$OUT/compile_dense_h200.json" \
+    --budget "${BUDGET:-425}" --sections "${SECTIONS:-dense_checks,dense_rows,layer,op}" \
     --rows "${ROWS:-essential}" --dists "${DISTS:-iid}" --layer-dtypes "${LAYER_DTYPES:-bf16}" \
     "${sweep[@]}" > "$OUT/compile_dense.log" 2>&1
 echo "exit $?"

@@ -158,6 +158,8 @@ def test_head_bounds_are_powers_of_two_over_finite_values():
     assert _head_bounds(k_idx).tolist() == [4.0, 0.25, 1.0]  # head 2 all zero: 1
 
 
+# student logits outside a row's support may overflow exp before the support drops them
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
 @pytest.mark.parametrize("spread", [1.0, 1e3], ids=["unit", "outlier-column"])
 def test_fixed_point_keeps_small_gradients(spread, seed):
     """dq_idx in units of 2^-28 of the head's largest |k_idx|: one column a thousand times larger

@@ -165,8 +165,8 @@ def compile_launches(launches, names=None) -> int:
         shown = {k: v for k, v in constants.items() if k in ("HR", "TOK", "ROWS", "D", "DI", "BN",
                                                              "KS", "SPARSE", "FULL", "TOPK",
                                                              "ISO")}
-        shown["dtype"] = next((v for k, v in signature.items() if k in ("q_ptr", "qi_ptr", "q_desc")),
-                              "")
+        shown["dtype"] = next((v for k, v in signature.items()
+                               if k in ("q_ptr", "qi_ptr", "q_desc")), "")
         try:
             options = dict(num_warps=warps)
             if stages and stages[0] is not None:

@@ -59,9 +59,9 @@ PAPER = dict(hq=64, hkv=4, hi=4, hik=1, d=128, di=128, block=128, top_k=16)
 DRY = dict(hq=4, hkv=2, hi=2, hik=1, d=16, di=16, block=16, top_k=2)
 COHERENT_STRIDE = 256
 # dense KL tiles "BM,BN,warps,stages" (sm_90 compile with Triton 3.6, bf16 paper heads, plain
-# variant: shared bytes / spill bytes per thread): 64,64,8,2 98320 / 196, 64,64,4,2 98320 / 324
-# (two programs per SM), 128,64,8,2 163856 / 356 (128,64,8,1: 98304 / 412, no pipelining)
-KL_TILE_CANDIDATES = ("64,64,8,2", "64,64,4,2", "128,64,8,2")
+# variant: shared bytes / spill bytes per thread): 128,64,8,2 163856 / 80, 64,64,8,2 98320 / 204,
+# 64,64,4,2 98320 / 260 (two programs per SM)
+KL_TILE_CANDIDATES = ("128,64,8,2", "64,64,8,2", "64,64,4,2")
 
 
 class Run:

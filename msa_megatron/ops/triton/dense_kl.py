@@ -38,7 +38,7 @@ as one row's is. A NaN/Inf ``dq_idx`` entry cannot be held in fixed point: its r
 there and the row receives NaN by a float atomic add (only NaN is added, by the tiles that hold
 one: deterministic).
 
-Tile sizes: ``MSA_DENSE_KL_TILES="BM,BN,warps,stages"`` (default ``64,64,8,2``; sm_90 resources
+Tile sizes: ``MSA_DENSE_KL_TILES="BM,BN,warps,stages"`` (default ``128,64,8,2``; sm_90 resources
 of the candidates in benchmarks/NOTES.md); key tiles are dealt in order, the earliest (with the
 most query tiles) first.
 """
@@ -58,7 +58,7 @@ from ._common import (
 from ._isolation import launch_both, log_sum_exp, nonfinite, nonfinite_flag, skip, support_mma
 
 TILES_ENV = "MSA_DENSE_KL_TILES"
-_DEFAULT_TILES = (64, 64, 8, 2)
+_DEFAULT_TILES = (128, 64, 8, 2)
 # dq_idx fixed point: two signed 32-bit fields per int64 (columns 2c and 2c + 1), one unit is
 # bound / _FIELD_RANGE with bound the power of two at or above the index key head's largest
 # finite |k_idx| (_head_bounds). |dq_idx| before scaling is at most sum_u |dz| max |k_idx| <=

@@ -212,7 +212,8 @@ def msa_layer(
     """
     T, _, _, D, hi, _, di = check_main_inputs(q, k, v, q_idx, k_idx)
     name = resolve_backend(options.backend, q.device)
-    check_backend_limits(name, q.dtype, {"D": D, "Di": di}, options.block_size, q.device)
+    check_backend_limits(name, q.dtype, {"D": D, "Di": di}, options.block_size, q.device,
+                         selection=(T, hi, options.top_k) if options.mode == "sparse" else None)
     cp = groups.cp_size > 1
     shared = groups.share_size > 1
     if shared and hi != 1:

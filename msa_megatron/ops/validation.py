@@ -11,6 +11,7 @@ tensors of ``torch.compile``; what depends on values (the ``cu_seqlens`` values,
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Optional
 
@@ -170,12 +171,15 @@ def check_main_inputs(q, k, v, q_idx, k_idx) -> tuple:
 
 
 def check_backend_limits(backend: str, dtype: torch.dtype, head_dims: dict, block_size: int,
-                         device: Optional[torch.device] = None) -> None:
-    """Raise if ``backend`` cannot run this dtype / head dim / block size (/ device).
+                         device: Optional[torch.device] = None,
+                         selection: Optional[tuple] = None) -> None:
+    """Raise if ``backend`` cannot run this dtype / head dim / block size (/ device / size).
 
     Args:
         backend: the resolved backend name.
         dtype, head_dims, block_size, device: of the inputs (``head_dims``: name -> size).
+        selection: ``(T, Hi, top_k)`` of a sparse attention call, or None (selection alone):
+            the Triton attention numbers the ``T * Hi * top_k`` selected entries with int32.
 
     Raises:
         TypeError: a dtype the backend does not run.
@@ -207,6 +211,12 @@ def check_backend_limits(backend: str, dtype: torch.dtype, head_dims: dict, bloc
     if block_size not in TRITON_BLOCK_SIZES:
         raise ValueError(f"backend='triton' supports block_size in {TRITON_BLOCK_SIZES}, got "
                          f"{block_size}{other}")
+    if selection is not None and math.prod(selection) >= 2 ** 31:
+        t, hi, top_k = selection
+        raise ValueError(
+            f"backend='triton' numbers the T * Hi * top_k selected entries with int32, got "
+            f"T={t} tokens x Hi={hi} index heads x top_k={top_k} = {math.prod(selection)} "
+            f">= 2^31; split the batch (fewer tokens per call) or lower top_k")
 
 
 def check_options(block_size, top_k, init_blocks, local_blocks, backend, mode="sparse") -> None:

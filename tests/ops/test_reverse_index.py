@@ -61,6 +61,8 @@ LAYOUTS = [
     ([70, 0, 33, 1, 50], 4, 2, 3, 16),
     ([120], 2, 1, 4, 16),
     (None, 2, 2, 2, 16),
+    ([200], 4, 1, 20, 16),  # 80 entries per token: a scatter step ends inside a token
+    ([60], 16, 1, 65, 16),  # Hi * top_k = 1040 > 1024 (was Triton's tensor-size limit)
 ]
 
 

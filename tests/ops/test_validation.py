@@ -197,6 +197,24 @@ def test_triton_limits_raise_before_launch(case, entry):
         ENTRY_POINTS[entry](args)
 
 
+def test_triton_int32_entry_numbering_limit_is_named():
+    """T * Hi * top_k >= 2^31 selected entries: ValueError before any kernel (meta tensors, so
+    no memory is touched); selection alone has no such limit; just under the limit passes."""
+    from msa_megatron.ops.validation import check_backend_limits
+
+    for ok in ((2 ** 20, 4, 16), None):
+        check_backend_limits("triton", torch.bfloat16, {"D": 128}, 128, torch.device("meta"),
+                             selection=ok)
+    with pytest.raises(ValueError, match=r"T=1048576 tokens x Hi=64 index heads x top_k=32"):
+        check_backend_limits("triton", torch.bfloat16, {"D": 128}, 128, torch.device("meta"),
+                             selection=(2 ** 20, 64, 32))
+    t, hi = 2 ** 20, 64
+    q = torch.empty(t, hi, 16, dtype=torch.float16, device="meta")
+    kv = torch.empty(t, 1, 16, dtype=torch.float16, device="meta")
+    with pytest.raises(ValueError, match="lower top_k"):
+        msa_attention(q, kv, kv, q, kv, block_size=16, top_k=32, backend="triton")
+
+
 BAD_CONFIGS = {
     "block_size_not_power_of_two": (dict(block_size=96), ValueError, r"block_size"),
     "block_size_not_int": (dict(block_size=128.0), TypeError, r"block_size"),

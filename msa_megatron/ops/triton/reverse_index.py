@@ -159,8 +159,10 @@ def _count_kernel(bidx_ptr, qpos_ptr, qkb_ptr, cid_ptr, full_ptr, meta_ptr, cnt_
 def _scatter_kernel(bidx_ptr, qpos_ptr, qkb_ptr, cid_ptr, full_ptr, meta_ptr, cur_ptr, pair_ptr,
                     Tq,
                     HI: tl.constexpr, TOPK: tl.constexpr, BLK: tl.constexpr, IPG: tl.constexpr,
-                    R: tl.constexpr, TB: tl.constexpr):
-    """One program per tile, ``TB`` tokens per step in token order: stable within a cell."""
+                    R: tl.constexpr):
+    """One program per tile, its entries ``R`` at a time in entry (= token, head, slot) order:
+    stable within a cell. ``R`` is fixed, whatever ``Hi * top_k``: the rank below compares
+    ``[R, R]`` pairs."""
     tile = tl.program_id(0)
     NS = tl.load(meta_ptr)
     NT = tl.load(meta_ptr + 1)
@@ -169,12 +171,13 @@ def _scatter_kernel(bidx_ptr, qpos_ptr, qkb_ptr, cid_ptr, full_ptr, meta_ptr, cu
         t1 = tl.minimum((tile + 1) * TS, Tq)
         r = tl.arange(0, R)
         per: tl.constexpr = HI * TOPK
-        for t0 in range(tile * TS, t1, TB):
-            t = t0 + r // per
-            e = t * per + r % per
+        e1 = t1 * per
+        for e0 in range(tile * TS * per, e1, R):
+            e = e0 + r
+            t = e // per
             bucket, used = _pair_buckets(bidx_ptr, qpos_ptr, qkb_ptr, cid_ptr, full_ptr, e, t, t1,
                                          NS, HI, TOPK, BLK, IPG)
-            used = used & (r < TB * per)
+            used = used & (e < e1)
             same = (bucket[:, None] == bucket[None, :]) & used[:, None] & used[None, :]
             rank = tl.sum((same & (r[None, :] < r[:, None])).to(tl.int32), axis=1)
             count = tl.sum(same.to(tl.int32), axis=1)
@@ -268,15 +271,14 @@ def _build(block_idx, q_pos, q_kbase, num_keys, block_size, num_kv_heads):
     meta = torch.cat([n_starts, nt, ts, n_starts * Hi]).to(i32)
     counts = torch.zeros(cap, dtype=i32, device=dev)
     hpk = next_pow2(Hi * K)
-    tb = max(1, _STEP_ENTRIES // hpk)
     full = _full_rows(block_idx, q_pos, block_size)
     args = (block_idx, q_pos, q_kbase, cid, full, meta)
     consts = dict(HI=Hi, TOPK=K, BLK=block_size, IPG=ipg)
-    _count_kernel[(max_tiles,)](*args, counts, Tq, R=next_pow2(max(tb * hpk, 256)), **consts)
+    _count_kernel[(max_tiles,)](*args, counts, Tq, R=max(hpk, 256), **consts)
     off = _exclusive_cumsum(counts).to(i32)
     cur = off.clone()
     pair = torch.empty(max(P, 1), dtype=i32, device=dev)
-    _scatter_kernel[(max_tiles,)](*args, cur, pair, Tq, R=next_pow2(tb * hpk), TB=tb, **consts)
+    _scatter_kernel[(max_tiles,)](*args, cur, pair, Tq, R=_STEP_ENTRIES, **consts)
     del cur
     # Sub-chunk token ranges.
     sc = torch.arange(SUB_CHUNKS + 1, device=dev, dtype=torch.int64)

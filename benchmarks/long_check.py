@@ -18,7 +18,7 @@ Usage (one H200, ~2-3 min at 1M; JSON written at the end)::
 
     . benchmarks/gpu_env.sh && python benchmarks/long_check.py $OUT/long_check_1m.json
     TRITON_INTERPRET=1 python benchmarks/long_check.py /tmp/l.json --tokens 300 --rows 6 \\
-        --dtype float16 --heads 4,2,2,1 --head-dim 16     # CPU, tiny
+        --dtype float16 --heads 4,2,2,1 --head-dim 16 --block 16 --top-k 3   # CPU, tiny
 """
 
 from __future__ import annotations
@@ -50,10 +50,15 @@ def parse_heads(text: str):
 
 
 def sample_rows(t: int, n: int, block: int, gen: torch.Generator) -> torch.Tensor:
-    """The first and last row, both sides of the first block boundary, the rest at random."""
-    fixed = [0, min(block - 1, t - 1), min(block, t - 1), t - 1]
-    rest = torch.randint(0, t, (max(n - len(fixed), 0),), generator=gen).tolist()
-    return torch.tensor(sorted(set(fixed + rest))[:max(n, 1)], dtype=torch.int64)
+    """``min(n, t)`` distinct rows, ascending: the first and the last row, then both sides of
+    the first block boundary (as many of these as ``n`` allows, in that order), the rest at
+    random."""
+    chosen = list(dict.fromkeys(r for r in (0, t - 1, block - 1, block) if 0 <= r < t))[:n]
+    while len(chosen) < min(n, t):
+        r = int(torch.randint(0, t, (1,), generator=gen))
+        if r not in chosen:
+            chosen.append(r)
+    return torch.tensor(sorted(chosen), dtype=torch.int64)
 
 
 def main() -> int:
@@ -68,13 +73,27 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    hq, hkv, hi, hik = parse_heads(args.heads)
+    try:
+        hq, hkv, hi, hik = parse_heads(args.heads)
+    except ValueError as error:
+        parser.error(str(error))
     if args.tokens < 1 or args.rows < 1:
-        raise ValueError(f"--tokens ({args.tokens}) and --rows ({args.rows}) must be >= 1")
+        parser.error(f"--tokens ({args.tokens}) and --rows ({args.rows}) must be >= 1")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
     t, d = args.tokens, args.head_dim
     opts = dict(block_size=args.block, top_k=args.top_k, backend="triton")
+    try:  # every shape and option checked on meta tensors, before any memory or kernel
+        meta = [torch.empty(t, h, d, dtype=dtype, device="meta") for h in (hq, hkv, hkv, hi, hik)]
+        msa_megatron.msa_attention(*meta, **opts)
+    except (TypeError, ValueError) as error:
+        parser.error(f"--heads {args.heads} --head-dim {d} --block {args.block} --top-k "
+                     f"{args.top_k} --tokens {t}: {error}")
+    try:  # the output path, before minutes of GPU work
+        with open(args.out, "w") as fh:
+            json.dump({"status": "running", "argv": sys.argv[1:]}, fh)
+    except OSError as error:
+        parser.error(f"cannot write the result to {args.out}: {error}")
     gen = torch.Generator(device="cpu").manual_seed(args.seed)
 
     def rand(*shape):
@@ -86,8 +105,9 @@ def main() -> int:
     for v in x.values():
         v.requires_grad_(True)
     result = dict(tokens=t, heads=dict(hq=hq, hkv=hkv, hi=hi, hik=hik), head_dim=d,
-                  block=args.block, top_k=args.top_k, dtype=args.dtype, rows=args.rows,
-                  gpu=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
+                  block=args.block, top_k=args.top_k, dtype=args.dtype,
+                  gpu=(torch.cuda.get_device_name() if device.type == "cuda"
+                       else f"none (CPU {platform.machine()}, Triton interpreter)"),
                   torch=torch.__version__, commit=git_commit(), started=time.strftime("%F %T"))
 
     def step():
@@ -118,6 +138,7 @@ def main() -> int:
 
     rows = sample_rows(t, args.rows, args.block, gen).to(device)
     result["sampled_rows"] = rows.tolist()
+    result["rows"] = int(rows.numel())
     f64 = {n: v.detach().double() for n, v in x.items() if n in ("k", "v", "k_idx")}
     got = {"out": [], "dq": [], "dq_idx": []}
     want = {"out": [], "dq": [], "dq_idx": []}

@@ -24,6 +24,7 @@ ORDER = ("dense", "msa", "random", "local")
 LABELS = {"dense": "dense attention", "msa": "MSA, KL-trained index",
           "random": "MSA, frozen random index", "local": "own block only (top-k 1)"}
 COLORS = {"msa": "tab:red", "dense": "tab:blue", "random": "tab:green", "local": "tab:gray"}
+WARMUP_COLOR = "black"  # the warm-up every variant starts from
 
 
 PATTERNS = ("*/metrics.json", "*/metrics.json.gz", "metrics_*.json", "metrics_*.json.gz")
@@ -45,6 +46,10 @@ def load_runs(directory: Path, notes: Optional[List[str]] = None) -> Dict[str, D
     kept).
 
     Raises SystemExit with the places looked at when no run is found."""
+    if not directory.is_dir():
+        raise SystemExit(f"{directory} is not a directory (give the OUT of run_retrieval.sh, "
+                         "the runs/<name> of gpu_retrieval_chain.sh or a benchmarks/results "
+                         "directory)")
     runs: Dict[str, Dict] = {}
     notes = [] if notes is None else notes
     expected: List[str] = []
@@ -149,6 +154,18 @@ def plot(runs: Dict[str, Dict], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.2))
     ax_acc, ax_recall, ax_hist = axes
     warmup = None
+    drawn = set()  # the shared warm-up part of each curve is drawn once, in grey
+
+    def draw(ax, steps, values, color, label, key, **style):
+        cut = int(warmup or 0)
+        shared = [(s, v) for s, v in zip(steps, values) if s <= cut]
+        own = shared[-1:] + [(s, v) for s, v in zip(steps, values) if s > cut]
+        if shared and key not in drawn:
+            drawn.add(key)
+            ax.plot(*zip(*shared), color=WARMUP_COLOR, label=f"dense warm-up: {key}", **style)
+        if len(own) > len(shared[-1:]):
+            ax.plot(*zip(*own), color=color, label=label, **style)
+
     for name, run in runs.items():
         color = COLORS.get(name)
         warmup = run["args"].get("warmup_steps", warmup)
@@ -157,15 +174,14 @@ def plot(runs: Dict[str, Dict], path: Path) -> None:
         if isinstance(final, (int, float)) and run.get("steps") and (
                 not steps or run["steps"][-1] > steps[-1]):
             steps, matches = steps + [run["steps"][-1]], matches + [final]  # the end of training
-        if steps:
-            ax_acc.plot(steps, matches, color=color, marker=".", label=LABELS.get(name, name))
+        draw(ax_acc, steps, matches, color, LABELS.get(name, name), "exact match", marker=".")
         probed = run.get("probe_steps") or []
         for key, style, what in (("recall_per_layer", "-", "recall (uniform rows)"),
                                  ("key_hit_per_layer", ":", "record block chosen")):
             values = run.get(key) or []
             if probed and name != "local" and len(values) == len(probed):
-                ax_recall.plot(probed, [_mean(v) for v in values], color=color,
-                               linestyle=style, label=f"{name}: {what}")
+                draw(ax_recall, probed, [_mean(v) for v in values], color, f"{name}: {what}",
+                     what, linestyle=style)
     for name in ("msa", "random"):
         hist = ((runs.get(name) or {}).get("retrieval") or {}).get("distance_histogram")
         if not hist:

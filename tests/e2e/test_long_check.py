@@ -60,7 +60,33 @@ def test_a_wrong_selection_fails_the_check(tmp_path, monkeypatch, interpret):
     assert not result["ok"] and result["select"]["not_near_tie"] > 0
 
 
-def test_bad_heads_flag_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["long_check.py", str(tmp_path / "l.json"), "--heads", "64,4"])
-    with pytest.raises(ValueError, match="--heads"):
+@pytest.mark.parametrize("flags,needle", [
+    (["--heads", "64,4"], "--heads must be four positive integers"),
+    (["--block", "100"], "block_size must be a power of two"),
+    (["--top-k", "0"], "top_k"),
+    (["--head-dim", "20"], "backend='triton' supports D"),
+    (["--heads", "6,4,4,1"], "must be a multiple of"),
+])
+def test_bad_flags_are_refused_before_any_work(tmp_path, monkeypatch, capsys, flags, needle):
+    out = tmp_path / "l.json"
+    monkeypatch.setattr(sys, "argv", ["long_check.py", str(out), "--tokens", "64", *flags])
+    with pytest.raises(SystemExit) as exit_info:
         _load().main()
+    assert exit_info.value.code == 2 and needle in capsys.readouterr().err
+    assert not out.exists()  # refused before the output was even opened
+
+
+def test_unwritable_output_is_refused_before_the_step(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["long_check.py", str(tmp_path / "no" / "l.json"), *TINY])
+    with pytest.raises(SystemExit):
+        _load().main()
+    assert "cannot write the result" in capsys.readouterr().err
+
+
+def test_sampled_rows_keep_the_last_row_and_report_their_number():
+    sample = _load().sample_rows
+    gen = torch.Generator().manual_seed(0)
+    assert sample(1000, 3, 128, gen).tolist() == [0, 127, 999]
+    rows = sample(1000, 10, 128, gen).tolist()
+    assert len(rows) == len(set(rows)) == 10 and rows[0] == 0 and rows[-1] == 999
+    assert sample(5, 10, 128, gen).tolist() == [0, 1, 2, 3, 4]

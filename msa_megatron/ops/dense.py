@@ -25,7 +25,7 @@ Routes (CUDA only, tried in this order; ``MSA_DENSE_BACKEND`` picks one):
 Backward: deterministic by default (the project's rule), so the default backward is ``flash``
 in its deterministic mode, else our own kernels; ``MSA_DENSE_DETERMINISTIC=0`` lets the backward
 use the forward's route (cuDNN's, the fastest). ``torch.use_deterministic_algorithms(True)``
-always forces the deterministic choice. docs/DESIGN.md gives the cost of each.
+always forces the deterministic choice. docs/DENSE_MODE.md gives the cost of each.
 
 Every route is checked once per (device, dtype, head dim, GQA or not) on a small packed problem
 against a float32 computation before it is used; a route that raises or disagrees is skipped

@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -48,11 +47,13 @@ from typing import Callable, Dict, Sequence
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # provenance.py, beside this
 
 from msa_megatron import msa_attention  # noqa: E402
 from msa_megatron import reference as ref  # noqa: E402
 from msa_megatron.ops import dense  # noqa: E402
 from msa_megatron.layout import query_layout  # noqa: E402
+from provenance import git_commit  # noqa: E402,F401  (gpu_dense_route imports it from here)
 
 NAMES = ("q", "k", "v", "q_idx", "k_idx")
 PAPER = dict(hq=64, hkv=4, hi=4, hik=1, d=128, di=128, block=128, top_k=16)
@@ -87,13 +88,6 @@ class Run:
         self.data["rows"].append(entry)
         self.save()
         print(json.dumps(entry, default=str), flush=True)
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def sync():

@@ -1409,7 +1409,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Parse the command line; options left unset take the full or the ``--quick`` size."""
     p = build_parser()
     args = p.parse_args(argv)
-    for key, value in (QUICK_SIZES if args.quick else FULL_SIZES).items():
+    sizes = dict(QUICK_SIZES if args.quick else FULL_SIZES)
+    if args.task == "retrieval":  # unset for --task text, which refuses them when given
+        sizes.update(retrieval_task.QUICK_SIZES if args.quick else retrieval_task.FULL_SIZES)
+    for key, value in sizes.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.tp = 1 if args.tp is None else args.tp
@@ -1426,7 +1429,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if unknown or not args.runs or len(set(args.runs)) != len(args.runs):
         p.error(f"--runs takes distinct names among {', '.join(VARIANTS)}; got {args.runs}")
     if args.task == "retrieval":
-        retrieval_task.fill_sizes(args, args.quick)
         if args.task_len is None:
             args.task_len = args.seq_len
         if args.seq_len % args.task_len or args.task_len % PAD_MULTIPLE:

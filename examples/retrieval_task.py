@@ -218,20 +218,21 @@ RETRIEVAL_ONLY = ("task_len", "task_len_min", "task_curriculum", "task_curriculu
 
 
 # Sizes of the task, full and ``--quick`` (the tiny example's 256-token quick windows hold 8
-# records and 4 questions 64 tokens apart); flags given explicitly win.
-SIZES = dict(pairs=(64, 8), queries=(32, 4), key_vocab=(256, 8), min_distance=(1024, 64))
-
-
-def fill_sizes(args: argparse.Namespace, quick: bool) -> None:
-    """Set every :data:`SIZES` flag left unset (None) to its full or ``quick`` value."""
-    for name, (full, small) in SIZES.items():
-        if getattr(args, name, None) is None:
-            setattr(args, name, small if quick else full)
+# records and 4 questions 64 tokens apart): pretrain_tiny fills the flags left unset from
+# these beside its own FULL_SIZES / QUICK_SIZES; flags given explicitly win.
+FULL_SIZES = dict(pairs=64, queries=32, key_vocab=256, min_distance=1024)
+QUICK_SIZES = dict(pairs=8, queries=4, key_vocab=8, min_distance=64)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The task's flags (``--task retrieval`` selects it in the tiny example)."""
     group = parser.add_argument_group("retrieval task (--task retrieval)")
+
+    def size(flag: str, help_text: str) -> None:  # a flag whose default depends on --quick
+        key = flag[2:].replace("-", "_")
+        group.add_argument(flag, type=int, default=None, help=f"{help_text} (default "
+                           f"{FULL_SIZES[key]}; with --quick {QUICK_SIZES[key]})")
+
     group.add_argument("--task-len", type=int, default=None,
                        help="tokens per retrieval sequence (default: --seq-len; a window packs "
                             "--seq-len / --task-len sequences)")
@@ -255,20 +256,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--task-question-every", type=int, default=16,
                        help="mixed-length training: a sequence shorter than --task-len asks at "
                             "least one question per this many tokens (up to --queries)")
-    group.add_argument("--pairs", type=int, default=None,
-                       help="key -> value records per sequence (default: 64; --quick: 8)")
-    group.add_argument("--queries", type=int, default=None,
-                       help="questions per sequence (default: 32; --quick: 4)")
-    group.add_argument("--key-vocab", type=int, default=None,
-                       help="distinct key tokens (default: 256; --quick: 8)")
+    size("--pairs", "key -> value records per sequence")
+    size("--queries", "questions per sequence")
+    size("--key-vocab", "distinct key tokens")
     group.add_argument("--value-vocab", type=int, default=32, help="distinct value tokens")
     group.add_argument("--record-format", choices=("pair", "fused"), default="pair",
                        help="pair: a record is a key token then a value token (answering needs a "
                             "two-step induction circuit); fused: one token names key and value "
                             "(one attention hop answers; see the module docstring)")
-    group.add_argument("--min-distance", type=int, default=None,
-                       help="tokens between a record and its question, at least (default: "
-                            "1024; --quick: 64)")
+    size("--min-distance", "tokens between a record and its question, at least")
     group.add_argument("--answer-weight", type=float, default=64.0,
                        help="training-loss weight of an answer token (filler tokens weigh 1)")
     group.add_argument("--eval-interval", type=int, default=0,

@@ -287,3 +287,16 @@ def test_every_retrieval_flag_is_refused_or_read_by_the_text_task(tiny):
     dests = {a.dest for a in group._group_actions}
     shared = {"probe_rows"}  # the text task's recall probe reads it
     assert dests - shared == set(tiny.retrieval_task.RETRIEVAL_ONLY)
+
+
+def test_quick_retrieval_sizes_fit_and_explicit_flags_win(tiny):
+    """--quick shrinks the retrieval task to its 256-token windows (it was always refused);
+    flags given explicitly win; --task text leaves the retrieval sizes unset."""
+    args = tiny.parse_args(["--device", "cpu", "--quick", "--task", "retrieval"])
+    assert (args.pairs, args.queries, args.key_vocab, args.min_distance) == (8, 4, 8, 64)
+    assert tiny.check_settings(args, 1) == []
+    args = tiny.parse_args(["--device", "cpu", "--quick", "--task", "retrieval", "--pairs", "6"])
+    assert args.pairs == 6 and args.queries == 4
+    full = tiny.parse_args(["--device", "cpu", "--task", "retrieval", "--seq-len", "8192"])
+    assert (full.pairs, full.queries, full.key_vocab, full.min_distance) == (64, 32, 256, 1024)
+    assert tiny.parse_args(["--device", "cpu", "--quick"]).pairs is None

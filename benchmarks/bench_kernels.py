@@ -225,6 +225,17 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
+def near_tie(got, want, scores, own_block: int) -> bool:
+    """Whether a selection ``got [k]`` that differs from the oracle's ``want [k]`` is still
+    right (MSA_SPEC section 2, ties): as many distinct blocks, the own block (forced) among
+    them, and none scoring more than 1e-3 below the oracle's worst chosen block (``scores``:
+    the row's oracle block scores)."""
+    kept = got[got >= 0].long()
+    worst = scores[want[want >= 0].long()].min()
+    return (kept.numel() == int((want >= 0).sum()) and kept.unique().numel() == kept.numel()
+            and bool((kept == own_block).any()) and bool((scores[kept] >= worst - 1e-3).all()))
+
+
 def selection_mismatch(got, want, x, dims) -> dict:
     """Rows whose selection differs, and how many of them are not near-ties."""
     diff = (got != want).any(dim=2)
@@ -234,12 +245,8 @@ def selection_mismatch(got, want, x, dims) -> dict:
         s = ref.block_scores_reference(x["q_idx"].float(), x["k_idx"].float(), x["q_pos"],
                                        x["q_kbase"], block_size=dims["block"])
         for t, i in rows[:2000]:
-            g, w = got[t, i], want[t, i]
-            sc = s[i, t]
-            worst = sc[w[w >= 0].long()].min()
-            ok = ((g >= 0).sum() == (w >= 0).sum()) and bool((sc[g[g >= 0].long()]
-                                                                 >= worst - 1e-3).all())
-            bad += 0 if ok else 1
+            own = int(x["q_pos"][t]) // dims["block"]
+            bad += 0 if near_tie(got[t, i], want[t, i], s[i, t], own) else 1
     return dict(rows_differing=len(rows), rows_not_near_tie=bad, rows=int(diff.numel()))
 
 

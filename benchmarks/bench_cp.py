@@ -127,10 +127,9 @@ class CompileWatch:
     On the GPU: Triton's JIT hooks (``knobs.runtime.jit_cache_hook`` before a compile,
     ``jit_post_compile_hook`` after; a load from Triton's on-disk cache counts as a compile,
     a fast one). Under ``TRITON_INTERPRET=1`` nothing compiles; counted instead are the distinct
-    specialisations the GPU's JIT would compile (kernel, constexprs, num_warps / num_stages, per
-    argument: dtype and 16-byte alignment of a tensor; 1, divisible by 16 or neither for an
-    integer the kernel does not mark ``do_not_specialize``), so a CPU dry run shows which phase
-    would compile what. ``seconds`` stays 0 there.
+    JIT keys the GPU would compile, from Triton's own argument binder
+    (:class:`tests.support.jit_keys.JitKeys`), so a CPU dry run shows which phase would compile
+    what. ``seconds`` stays 0 there.
     """
 
     def __init__(self) -> None:
@@ -139,7 +138,7 @@ class CompileWatch:
         self.names: collections.Counter = collections.Counter()
         self.mode = "none"
         self._started: Dict[object, float] = {}
-        self._seen: set = set()
+        self._keys = None  # the interpreter's JIT keys (JitKeys), when interpreting
         if importlib.util.find_spec("triton") is None:
             return
         if os.environ.get("TRITON_INTERPRET") == "1":
@@ -171,52 +170,26 @@ class CompileWatch:
         self.mode = "triton jit hooks"
 
     def _watch_interpreter(self) -> None:
-        try:
-            from triton.runtime import interpreter
-            executor = interpreter.GridExecutor
-        except (ImportError, AttributeError):
+        try:  # Triton's own binder keys every launch (tests/support/jit_keys.py)
+            from tests.support.jit_keys import JitKeys
+        except ImportError:
             return
-        original = executor.__call__
-        watch = self
-
-        def spec(value, plain):
-            if isinstance(value, torch.Tensor):
-                return (str(value.dtype), value.data_ptr() % 16 == 0)
-            if isinstance(value, bool):
-                return "i1"
-            if isinstance(value, int):
-                kind = "i64" if abs(value) >= 2 ** 31 else "i32"
-                if plain:  # do_not_specialize: the type only
-                    return kind
-                return 1 if value == 1 else (kind, value % 16 == 0)
-            return type(value).__name__
-
-        def recording(self, *args, **kwargs):
-            values = dict(zip(self.arg_names, args))
-            values.update(kwargs)
-            key = [getattr(self.fn, "__module__", ""), getattr(self.fn, "__name__", "?")]
-            kernel = getattr(sys.modules.get(key[0]), key[1], None)
-            plain = set((getattr(kernel, "kwargs", None) or {}).get("do_not_specialize") or ())
-            for name in self.arg_names:
-                if name in values:
-                    value = values[name]
-                    key.append((name, repr(value) if name in self.constexprs
-                                else spec(value, name in plain)))
-            key.append(tuple(kwargs.get(k) for k in ("num_warps", "num_stages")))
-            key = tuple(key)
-            if key not in watch._seen:
-                watch._seen.add(key)
-                watch.count += 1
-                watch.names[key[1]] += 1
-            return original(self, *args, **kwargs)
-
-        executor.__call__ = recording
+        self._keys = JitKeys()
+        self._watching = self._keys.watch()  # kept: a collected context would end the watch
+        self._watching.__enter__()  # left open: the whole run is watched
         self.mode = "interpreter: specialisations a GPU would compile"
 
+    def _refresh(self) -> None:
+        if self._keys is not None:
+            self.count = self._keys.total()
+            self.names = collections.Counter(self._keys.counts())
+
     def snapshot(self):
+        self._refresh()
         return self.count, self.seconds, collections.Counter(self.names)
 
     def since(self, snap) -> dict:
+        self._refresh()
         count, seconds, names = snap
         return {"compiles": self.count - count, "compile_s": round(self.seconds - seconds, 2),
                 "kernels": dict(self.names - names)}

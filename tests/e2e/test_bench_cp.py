@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "bench_cp.py"
@@ -63,3 +64,32 @@ def test_spent_budget_skips_every_row_and_says_so(tmp_path):
     assert skipped[0] == "S=256 iid CP=1" and len(skipped) == 10  # 8 rows + 2 compute only
     assert skipped[-1] == "S=256 coherent CP=2 compute only (no exchange)"
     assert "stopping: budget spent" in proc.stdout
+
+
+def test_compile_watch_counts_triton_keys_under_the_interpreter(monkeypatch):
+    """CompileWatch on CPU: the Triton JIT keys a GPU would compile, new ones only, for the
+    whole run (a watch that ended early counted 0: its context must stay referenced)."""
+    import gc
+    import importlib.util
+
+    from tests.support.jit_keys import interpreting
+
+    if not interpreting():
+        pytest.skip("the interpreter's count (on a GPU, Triton's JIT hooks count)")
+    import msa_megatron
+
+    spec = importlib.util.spec_from_file_location("bench_cp_under_test", SCRIPT)
+    bench_cp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_cp)
+    watch = bench_cp.CompileWatch()
+    gc.collect()
+    gen = torch.Generator().manual_seed(0)
+    q_idx = torch.randn(40, 2, 16, generator=gen, dtype=torch.float16)
+    k_idx = torch.randn(40, 1, 16, generator=gen, dtype=torch.float16)
+    snap = watch.snapshot()
+    msa_megatron.select_blocks(q_idx, k_idx, block_size=16, top_k=2, backend="triton")
+    first = watch.since(snap)
+    assert first["compiles"] > 0 and first["kernels"]
+    snap = watch.snapshot()
+    msa_megatron.select_blocks(q_idx, k_idx, block_size=16, top_k=2, backend="triton")
+    assert watch.since(snap)["compiles"] == 0

@@ -5,8 +5,9 @@ fingerprint of the results to compare against another revision of the kernels::
     python benchmarks/first_step_compiles.py --lengths 65536,65613 --compare /tmp/v9.json
 
 Each step is one sparse ``msa_layer`` fwd+bwd (Hq 64, Hkv 4, Hi 4, Hik 1, D = Di = 128, B 128,
-k 16, bf16, seeded inputs), in this order; per step it prints the kernels compiled (Triton's
-``jit_post_compile_hook``, an empty ``TRITON_CACHE_DIR`` so every variant really compiles) and
+k 16, bf16, seeded inputs), in this order; per step it prints the kernels compiled
+(``compile_watch.CompileWatch``: Triton's JIT hooks, an empty ``TRITON_CACHE_DIR`` so every
+variant really compiles; under ``TRITON_INTERPRET=1`` the JIT keys a GPU would compile) and
 their seconds. The first step's outputs (selection, output, KL, the five input gradients) are
 hashed (SHA-256 of the bytes); ``--out`` writes them, ``--compare`` checks them against a file
 written by another revision (``--tree``: import ``msa_megatron`` from that directory) and exits
@@ -16,7 +17,6 @@ written by another revision (``--tree``: import ``msa_megatron`` from that direc
 from __future__ import annotations
 
 import argparse
-import collections
 import hashlib
 import json
 import os
@@ -38,26 +38,14 @@ def main(argv=None) -> int:
     sys.path.insert(0, os.path.abspath(args.tree) if args.tree else
                     os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import torch
-    from triton import knobs
 
     import msa_megatron
     from msa_megatron.core import MSAOptions, msa_layer
 
-    compiled, started = collections.Counter(), {}
-    seconds = [0.0]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from compile_watch import CompileWatch
 
-    def on_start(**kw):
-        started[repr(kw.get("key"))] = time.perf_counter()
-        return None
-
-    def on_done(**kw):
-        compiled[str(getattr(kw.get("fn"), "name", "?")).rsplit(".", 1)[-1]] += 1
-        t0 = started.pop(repr(kw.get("key")), None)
-        if t0 is not None:
-            seconds[0] += time.perf_counter() - t0
-        return None
-
-    knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = on_start, on_done
+    watch = CompileWatch()  # Triton's JIT hooks (under the interpreter: the keys it would build)
     print(f"msa_megatron from {os.path.dirname(msa_megatron.__file__)}, "
           f"TRITON_CACHE_DIR {os.environ['TRITON_CACHE_DIR']}", flush=True)
     dev = torch.device(args.device)
@@ -68,17 +56,17 @@ def main(argv=None) -> int:
                               dtype=torch.bfloat16).requires_grad_(True)
                   for h in (64, 4, 4, 4, 1)]
         cu = torch.tensor([0, total], dtype=torch.int32, device=dev)
-        before, s0, t0 = compiled.copy(), seconds[0], time.perf_counter()
+        snap, t0 = watch.snapshot(), time.perf_counter()
         res = msa_layer(*leaves, cu_seqlens=cu, kl_scale=1.0 / total,
                         options=MSAOptions(backend="triton", block_size=128, top_k=16))
         dout = torch.randn(res.out.shape, generator=gen, device=dev, dtype=res.out.dtype)
         grads = torch.autograd.grad((res.out, res.kl), leaves, (dout, torch.ones_like(res.kl)))
         if dev.type == "cuda":
             torch.cuda.synchronize()
-        new = compiled - before
-        print(f"step {step + 1}: {total} tokens, {sum(new.values())} kernels compiled in "
-              f"{seconds[0] - s0:.1f} s (step {time.perf_counter() - t0:.1f} s) "
-              f"{sorted(new.items())}", flush=True)
+        new = watch.since(snap)
+        print(f"step {step + 1}: {total} tokens, {new['compiles']} kernels compiled in "
+              f"{new['compile_s']:.1f} s (step {time.perf_counter() - t0:.1f} s) "
+              f"{sorted(new['kernels'].items())}", flush=True)
         if step == 0:
             named = {"block_idx": res.block_idx, "out": res.out, "kl": res.kl,
                      **{f"d{n}": g for n, g in zip(("q", "k", "v", "q_idx", "k_idx"), grads)}}
@@ -86,7 +74,8 @@ def main(argv=None) -> int:
                 raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
                 hashes[name] = hashlib.sha256(raw.tobytes()).hexdigest()
         del res, grads, leaves, dout
-    print(f"total: {sum(compiled.values())} kernels compiled in {seconds[0]:.1f} s")
+    count, seconds, _ = watch.snapshot()
+    print(f"total: {count} kernels compiled in {seconds:.1f} s")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(hashes, f, indent=1)

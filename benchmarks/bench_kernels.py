@@ -547,12 +547,14 @@ def sweep(run: Run, dims: dict, device):
     heads, _, x, block_idx = config_inputs("paper", 32768, False, dims, "iid", device)
     opts = dict(block_size=dims["block"], top_k=dims["top_k"])
     q, k, v = (x[n].detach().requires_grad_() for n in ("q", "k", "v"))
-    saved = {m: m.GATHER_ROWS for m in (forward, backward)}
+    saved = {m: m.GATHER_ROWS for m in (backward,)}
+    saved_fwd = forward.FWD_ROWS, forward.FWD_WARPS
     saved_kl = kl_loss.KL_ROWS
     saved_select = selection.SELECT_ROWS
     for rows in (64, 128):
         for m in saved:
             m.GATHER_ROWS = rows
+        forward.FWD_ROWS, forward.FWD_WARPS = rows, forward.warps_for(rows)
         kl_loss.KL_ROWS = rows
         selection.SELECT_ROWS = rows
         entry = dict(sweep="gather_rows", rows=rows, ms={}, errors={})
@@ -583,6 +585,7 @@ def sweep(run: Run, dims: dict, device):
         run.record("rows", entry)
     for m, value in saved.items():
         m.GATHER_ROWS = value
+    forward.FWD_ROWS, forward.FWD_WARPS = saved_fwd
     kl_loss.KL_ROWS = saved_kl
     selection.SELECT_ROWS = saved_select
 

@@ -358,6 +358,28 @@ def test_chunks_and_key_subtiles_match_reference(monkeypatch):
                                              block_size=32)
 
 
+@pytest.mark.parametrize("top_k", [5, 34], ids=["bitmask-slots", "more-than-32-slots"])
+def test_forward_item_tiles_match_reference_and_repeat(monkeypatch, top_k):
+    """The sparse forward with items spanning several row tiles (the prefetched next tiles run
+    past an item's end), merge tiles straddling sequences, and more than 32 slots per row (the
+    merge then reads each slot's block instead of a bit mask): output and LSE equal the
+    oracle's, and a second call is bitwise equal."""
+    from msa_megatron.ops.triton import forward
+
+    monkeypatch.setattr(forward, "FWD_ROWS", 16)  # 8 tokens x 2 heads per tile
+    monkeypatch.setattr(forward, "MERGE_ROWS", 16)
+    q, k, v, q_pos, q_kbase = _attention_inputs([700, 90], 4, 2, 2, 16, torch.float32, False)
+    block_idx = _random_selection(q.shape[0], 2, top_k, q_pos, 16)
+    backend = _triton()
+    out, lse = backend.attention(q, k, v, block_idx, q_pos, q_kbase, block_size=16)
+    want, want_lse = ref.attention_core_reference(q.double(), k.double(), v.double(), block_idx,
+                                                  q_pos, q_kbase, block_size=16)
+    assert rel_err(out, want) < TOL[torch.float32]
+    assert (lse.double() - want_lse).abs().max().item() < 1e-4
+    again, again_lse = backend.attention(q, k, v, block_idx, q_pos, q_kbase, block_size=16)
+    assert torch.equal(out, again) and torch.equal(lse, again_lse)
+
+
 # ---------------------------------------------------------------- KL
 KL_CASES = [
     # lens, Hq, Hkv, Hi, Hik, D, Di, block, top_k, dtype

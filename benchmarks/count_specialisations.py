@@ -42,7 +42,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 DEFAULT_STEPS = "8192,32768,32845,32768/14,65536,131072"
 # Kernels launched once per token chunk (the ones the fix is about).
 CHUNKED = ("_block_keys_kernel", "_topk_kernel", "_attn_fwd_blocks_kernel",
-           "_attn_combine_kernel", "_attn_bwd_blocks_kernel", "sum_partials_kernel",
+           "_attn_merge_kernel", "_attn_bwd_blocks_kernel", "sum_partials_kernel",
            "_kl_keys_kernel")
 
 
@@ -80,7 +80,7 @@ def run_step(heads: dict, dtype, total: int, docs: int, execute: bool) -> None:
 def chunk_counts(launches) -> str:
     """Token chunks per op, from the launches of one step."""
     kl = max(0, launches["_kl_keys_kernel"] - 2) // 2  # minus the dense key kernel (both ISO)
-    return (f"chunks select {launches['_topk_kernel']} fwd {launches['_attn_combine_kernel']} "
+    return (f"chunks select {launches['_topk_kernel']} fwd {launches['_attn_merge_kernel']} "
             f"bwd {launches['_attn_bwd_blocks_kernel'] // 2} kl {kl}")
 
 

@@ -25,7 +25,7 @@ D = 32
 OPTIONS = dict(block_size=16, top_k=4)
 # Kernels launched once per token chunk.
 CHUNKED = {"_block_keys_kernel", "_topk_kernel", "_attn_fwd_blocks_kernel",
-           "_attn_combine_kernel", "_attn_bwd_blocks_kernel", "sum_partials_kernel",
+           "_attn_merge_kernel", "_attn_bwd_blocks_kernel", "sum_partials_kernel",
            "_kl_keys_kernel"}
 
 
@@ -69,7 +69,7 @@ def test_second_chunk_and_second_length_compile_nothing(monkeypatch):
     _many_chunks(monkeypatch)
     # 16 chunks (sc0 = 0, 1, ..., 15; sc1 = 1 once), selection chunks with starts 0, 32, ...
     assert _step(keys, [256]) == {}
-    assert keys.launches["_topk_kernel"] > 2 and keys.launches["_attn_combine_kernel"] >= 17
+    assert keys.launches["_topk_kernel"] > 2 and keys.launches["_attn_merge_kernel"] >= 17
     # Lengths not divisible by 16, packed documents, a document of one token.
     for lengths in ([333], [1, 150, 77], [513]):
         assert _step(keys, lengths) == {}, lengths

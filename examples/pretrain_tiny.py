@@ -562,6 +562,8 @@ class History:
     probe_steps: List[int] = field(default_factory=list)
     recall_per_layer: List[List[float]] = field(default_factory=list)
     recall_answer_per_layer: List[List[float]] = field(default_factory=list)
+    # the recall's ceiling (best selection the rules allow) over the same uniform rows
+    recall_best_per_layer: List[List[float]] = field(default_factory=list)
     key_hit_per_layer: List[List[float]] = field(default_factory=list)
     # record block chosen per probed step, per layer and index head: [step][layer][head]
     key_hit_per_head: List[List[List[float]]] = field(default_factory=list)
@@ -691,11 +693,13 @@ def summarize_probe(probe, uniform_count: int, questions: torch.Tensor, window: 
     "Record block chosen" also comes per index head: ``key_hit_per_head[layer][head]`` over the
     layer's ``num_index_heads`` (Hi of the whole layer; 0: this rank's count, right without TP),
     each TP rank's heads at their global numbers (``index_head_layout``); a head with no answer
-    row sampled reads 0. Returns ``{"recall", "recall_answer", "key_hit": [L] floats,
-    "key_hit_per_head": [L][Hi] floats}``."""
+    row sampled reads 0. ``recall_best``: the recall's ceiling over the uniform rows (the share
+    the best selection the rules allow would hold, ``SelectionSample.best_recall``). Returns
+    ``{"recall", "recall_answer", "key_hit", "recall_best": [L] floats, "key_hit_per_head":
+    [L][Hi] floats}``."""
     layers = sorted(probe.samples)
-    # rows: recall, answer-row recall, record block chosen; sums then counts
-    stats = torch.zeros(6, len(layers), dtype=torch.float64, device=device)
+    # rows: recall, answer-row recall, record block chosen, best recall; sums then counts
+    stats = torch.zeros(8, len(layers), dtype=torch.float64, device=device)
     local_heads = (int(probe.samples[layers[0]].block_idx.shape[1])
                    if layers and probe.samples[layers[0]].block_idx.dim() == 3 else 1)
     heads = num_index_heads or local_heads
@@ -706,23 +710,25 @@ def summarize_probe(probe, uniform_count: int, questions: torch.Tensor, window: 
     for j, layer in enumerate(layers):
         sample = probe.samples[layer]
         uniform = sample.recall[:uniform_count].double()
-        stats[0, j], stats[3, j] = float(uniform.sum()), uniform.numel()
+        stats[0, j], stats[4, j] = float(uniform.sum()), uniform.numel()
+        best = sample.best_recall[:uniform_count].double()
+        stats[3, j], stats[7, j] = float(best.sum()), best.numel()
         if window.answers is not None and questions.numel():
             answer = sample.recall[uniform_count:].double()
-            stats[1, j], stats[4, j] = float(answer.sum()), answer.numel()
+            stats[1, j], stats[5, j] = float(answer.sum()), answer.numel()
             chosen = sample.block_idx[uniform_count:].to(torch.int64)  # [Q, Hi_local, k]
             spans = torch.tensor(window.answers.record_blocks, dtype=torch.int64)[questions]
             spans = spans.to(chosen.device)
             inside = (chosen >= spans[:, None, None, 0]) & (chosen <= spans[:, None, None, 1])
             hit = inside.any(dim=-1)  # [Q, Hi_local]
-            stats[2, j], stats[5, j] = float(hit.double().sum()), hit.numel()
+            stats[2, j], stats[6, j] = float(hit.double().sum()), hit.numel()
             per_head[0, j, first:first + hit.shape[1]] = hit.double().sum(0).to(device)
             per_head[1, j, first:first + hit.shape[1]] = hit.shape[0]
     dist.all_reduce(stats)
     dist.all_reduce(per_head)
-    means = stats[:3] / stats[3:].clamp(min=1)
+    means = stats[:4] / stats[4:].clamp(min=1)
     return {"recall": means[0].tolist(), "recall_answer": means[1].tolist(),
-            "key_hit": means[2].tolist(),
+            "key_hit": means[2].tolist(), "recall_best": means[3].tolist(),
             "key_hit_per_head": (per_head[0] / per_head[1].clamp(min=1)).tolist()}
 
 
@@ -1072,7 +1078,8 @@ def train_steps(history: History, model: GPTModel, optimizer: torch.optim.Optimi
             if (step + 1) % args.log_interval == 0 or step == 0 or step + 1 == args.steps:
                 extra = ""
                 if history.probe_steps and history.probe_steps[-1] == step + 1:
-                    extra = f"  recall {mean(history.recall_per_layer[-1]):.3f}"
+                    extra = (f"  recall {mean(history.recall_per_layer[-1]):.3f}"
+                             f" (best {mean(history.recall_best_per_layer[-1]):.3f})")
                     if window.answers is not None:
                         extra += (f" (answers {mean(history.recall_answer_per_layer[-1]):.3f},"
                                   f" record block chosen {mean(history.key_hit_per_layer[-1]):.2f}"
@@ -1243,6 +1250,10 @@ def plot(histories: List[History], path: Path, warmup_steps: int) -> None:
             if h.probe_steps and h.name != "local":
                 ax_recall.plot(h.probe_steps, [mean(v) for v in h.recall_per_layer],
                                label=f"{h.name}: recall", **styles.get(h.name, {}))
+                if any(h.recall_best_per_layer):
+                    ax_recall.plot(h.probe_steps, [mean(v) for v in h.recall_best_per_layer],
+                                   label=f"{h.name}: best selection's recall", linewidth=0.8,
+                                   **{**styles.get(h.name, {}), "linestyle": "--"})
                 if any(h.key_hit_per_layer) and h.key_hit_per_layer[0]:
                     ax_recall.plot(h.probe_steps, [mean(v) for v in h.key_hit_per_layer],
                                    label=f"{h.name}: record block chosen", marker=".",
@@ -1273,13 +1284,14 @@ def plot(histories: List[History], path: Path, warmup_steps: int) -> None:
 
 def retrieval_table(histories: List[History]) -> str:
     """Markdown table of the held-out retrieval metrics of every run."""
-    lines = ["| run | exact match | answer loss | recall | recall (answer rows) | "
+    lines = ["| run | exact match | answer loss | recall | best recall | recall (answer rows) | "
              "record block chosen | per layer; index head | held-out LM loss |",
-             "|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     for h in histories:
         r = h.retrieval or {}
         cells = [f"{r[key]:.3f}" if isinstance(r.get(key), float) else "-"
-                 for key in ("exact_match", "answer_loss", "recall", "recall_answer", "key_hit")]
+                 for key in ("exact_match", "answer_loss", "recall", "recall_best",
+                             "recall_answer", "key_hit")]
         heads = per_head_text(r.get("key_hit_per_head") or []).replace(" | ", "; ") or "-"
         lines.append(f"| {h.name} | " + " | ".join(cells) + f" | {heads} | "
                      f"{h.held_out_loss:.3f} |")

@@ -7,6 +7,9 @@ Two measurements on a small sample of query rows, cheap enough to run every few 
   lies inside the blocks the index branch selects (MSA_SPEC section 2) for that row. 1.0 means
   sparse attention loses nothing for that row; the MSA paper reports 0.90-0.94 for a trained
   index. Works in sparse and dense mode (the selection is computed for the sampled rows only).
+  With it comes the ceiling ``best_recall``: the share held by the best selection the rules
+  allow (forced blocks, then the blocks of most teacher mass), which a diffuse teacher keeps
+  below 1 at a small ``top_k`` whatever the index does.
 - :func:`distance_histogram`: where the selected blocks lie, as the distance in blocks from the
   query's own block (own, neighbour, sink = block 0, then powers of two).
 
@@ -41,12 +44,18 @@ class SelectionSample:
         block_idx: ``[R, Hi, top_k]`` int32 selection of those rows (MSA_SPEC 2.5).
         recall: ``[R, Hi]`` float32 share of the dense teacher's attention mass inside the
             selected blocks.
+        best_recall: ``[R, Hi]`` float32 the largest share any selection under the same rules
+            could hold (the forced blocks plus the ``top_k - #forced`` eligible blocks of most
+            teacher mass): the ceiling of ``recall``. ``recall / best_recall`` says how close
+            the index comes to the best selection; ``best_recall`` itself says how concentrated
+            the teacher is at this ``top_k``. None where not measured.
     """
 
     rows: torch.Tensor
     q_pos: torch.Tensor
     block_idx: torch.Tensor
     recall: torch.Tensor
+    best_recall: Optional[torch.Tensor] = None
 
 
 def sample_rows(num_tokens: int, num_rows: int, generator: Optional[torch.Generator] = None,
@@ -100,7 +109,8 @@ def selection_recall(
             ``cu_seqlens`` (``k`` holds the same ``T`` rows as ``q``).
 
     Returns:
-        :class:`SelectionSample` with the rows, their positions, selection and recall.
+        :class:`SelectionSample` with the rows, their positions, selection, recall and its
+        ceiling ``best_recall`` (same teacher, best selection under the same rules).
 
     Raises:
         ValueError: ``rows`` not 1-D integer or out of ``[0, T)``; meta tensors (a recall is
@@ -137,6 +147,7 @@ def selection_recall(
     scale = D ** -0.5 if softmax_scale is None else softmax_scale
     heads_per_index = Hq // Hi
     recall = torch.zeros(rows.numel(), Hi, dtype=torch.float32, device=q.device)
+    best = torch.zeros_like(recall)
     pos64, base64 = pos.to(torch.int64), base.to(torch.int64)
     # Rows of one sequence share its keys: per sequence start, the keys of the longest sampled
     # prefix are read once (a slice, no per-row gather) and the rows go through in chunks of
@@ -160,7 +171,33 @@ def selection_recall(
             # Selected-block membership of every key position, per index head: [R_c, Hi, L].
             chosen = (sel[..., None] == blk).any(dim=2) & causal[:, None, :]
             recall[idx] = (teacher * chosen).sum(dim=-1)
-    return SelectionSample(rows=rows, q_pos=pos64, block_idx=block_idx, recall=recall)
+            best[idx] = _best_share(teacher, p, block_size, top_k, init_blocks, local_blocks)
+    return SelectionSample(rows=rows, q_pos=pos64, block_idx=block_idx, recall=recall,
+                           best_recall=best)
+
+
+def _best_share(teacher: torch.Tensor, pos: torch.Tensor, block_size: int, top_k: int,
+                init_blocks: int, local_blocks: int) -> torch.Tensor:
+    """Teacher mass ``[R, Hi]`` held by the best selection MSA_SPEC 2.3-2.4 allows.
+
+    ``teacher [R, Hi, L]`` (zero after each row's position ``pos [R]``) is summed per block; the
+    forced blocks (first ``init_blocks``, last ``local_blocks`` up to the own block) count
+    whole, then the ``top_k - #forced`` other eligible blocks of largest mass. A row with at
+    most ``top_k`` eligible blocks selects them all (1.0 up to rounding)."""
+    rows, heads, length = teacher.shape
+    num_blocks = -(-length // block_size)
+    padded = torch.nn.functional.pad(teacher, (0, num_blocks * block_size - length))
+    mass = padded.view(rows, heads, num_blocks, block_size).sum(dim=-1)  # [R, Hi, nb]
+    b = torch.arange(num_blocks, device=teacher.device)[None, :]
+    own = (pos // block_size)[:, None]
+    eligible = b <= own  # [R, nb]
+    forced = eligible & ((b < init_blocks) | (b > own - local_blocks))
+    held = (mass * forced[:, None, :]).sum(dim=-1)
+    others = mass.masked_fill(~(eligible & ~forced)[:, None, :], 0.0)
+    slots = (top_k - forced.sum(dim=-1)).clamp(min=0)  # [R]
+    ranked = others.sort(dim=-1, descending=True).values
+    take = b < slots[:, None]  # [R, nb]
+    return held + (ranked * take[:, None, :]).sum(dim=-1)
 
 
 def distance_bins(max_distance: int) -> List[str]:

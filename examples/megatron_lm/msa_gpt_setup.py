@@ -340,7 +340,8 @@ class MSAMetricsLog:
         Returns:
             None off log iterations; else the values to log, ``{label: value}`` with labels
             ``msa kl``, ``msa kl layer_NN``, ``msa blocks``, ``msa recall``,
-            ``msa recall layer_NN`` (and ``msa cp bytes ...`` under CP), plus
+            ``msa recall layer_NN``, ``msa recall_best`` / ``msa recall_best layer_NN`` (the
+            recall's ceiling) (and ``msa cp bytes ...`` under CP), plus
             ``throughput per GPU, MSA counted sparse (TFLOP/s/GPU)``.
         """
         if self.flops_per_iteration is not None:

@@ -15,7 +15,8 @@ sum over the CP group is this value times CP). Recomputation traffic (activation
 runs the exchange again in backward) is included: it is moved. Pass a one-rank ``group`` to
 read this rank's own values unreduced.
 
-The selection recall of an armed probe (:mod:`.probe`, ``msa/recall``) is reduced here too.
+The selection recall of an armed probe (:mod:`.probe`, ``msa/recall``) and its ceiling
+(``msa/recall_best``) are reduced here too.
 A further per-layer metric is added the same way: a tracker, a ``record_*`` call in
 ``MSACoreAttention._attention`` (which has the composer's :class:`msa_megatron.core.MSAResult`:
 selection, query layout, keys), one more row in :func:`get_msa_metrics`' reduction.
@@ -35,6 +36,7 @@ CP_BYTES_PREFIX = "msa/cp_bytes"
 CP_BYTES_FWD_PREFIX = "msa/cp_bytes_fwd"
 CP_BYTES_BWD_PREFIX = "msa/cp_bytes_bwd"
 RECALL_PREFIX = "msa/recall"
+BEST_RECALL_PREFIX = "msa/recall_best"
 
 
 class _MetricTracker:
@@ -69,6 +71,7 @@ class _MetricTracker:
 
 _TRACKER = _MetricTracker()
 _RECALL = _MetricTracker()  # selection-probe recall: one weight-1 record per probed forward
+_BEST_RECALL = _MetricTracker()  # its ceiling (the best allowed selection), recorded alongside
 
 
 class _CPBytesTracker:
@@ -125,11 +128,15 @@ def record_kl(layer_number: int, kl: torch.Tensor, parts: int) -> None:
     _TRACKER.record(layer_number, kl, 1.0 / parts)
 
 
-def record_recall(layer_number: int, recall: torch.Tensor) -> None:
+def record_recall(layer_number: int, recall: torch.Tensor,
+                  best_recall: Optional[torch.Tensor] = None) -> None:
     """Record one probed forward's selection recall of a layer (``recall [rows, Hi]``, its mean
-    counts once; see :mod:`msa_megatron.megatron.probe`)."""
+    counts once; see :mod:`msa_megatron.megatron.probe`) and, when given, its ceiling
+    ``best_recall [rows, Hi]`` (:class:`msa_megatron.diagnostics.SelectionSample`)."""
     if recall.numel():
         _RECALL.record(layer_number, recall.mean(), 1.0)
+    if best_recall is not None and best_recall.numel():
+        _BEST_RECALL.record(layer_number, best_recall.mean(), 1.0)
 
 
 def _metrics_device() -> torch.device:
@@ -160,19 +167,21 @@ def get_msa_metrics(reset: bool = True,
         gradients), and ``"msa/cp_bytes"``: the sum over layers; when a selection probe was
         armed (:func:`msa_megatron.megatron.arm_selection_probe`), ``"msa/recall/layer_NN"``
         (share of the dense teacher's attention mass inside the selected blocks, mean over the
-        sampled rows, index heads and ranks) and ``"msa/recall"``, their mean over layers.
+        sampled rows, index heads and ranks) and ``"msa/recall"``, their mean over layers, with
+        their ceilings ``"msa/recall_best/layer_NN"`` and ``"msa/recall_best"`` (the share the
+        best selection the rules allow would hold: how far the index is from it).
         Empty when no MSA layer ran.
     """
     local_max = max(max(_TRACKER.values, default=0), max(_CP_BYTES.micro_batches, default=0),
-                    max(_RECALL.values, default=0))
+                    max(_RECALL.values, default=0), max(_BEST_RECALL.values, default=0))
     device = _metrics_device()
     distributed = dist.is_initialized()
     num_layers = torch.tensor([local_max], dtype=torch.int64, device=device)
     if distributed:
         dist.all_reduce(num_layers, op=dist.ReduceOp.MAX, group=group)
     count = int(num_layers.item())
-    values = torch.zeros(7, count, dtype=torch.float64, device=device)
-    for row, tracker in ((0, _TRACKER), (5, _RECALL)):
+    values = torch.zeros(9, count, dtype=torch.float64, device=device)
+    for row, tracker in ((0, _TRACKER), (5, _RECALL), (7, _BEST_RECALL)):
         for layer, value in tracker.values.items():
             values[row, layer - 1] = value.to(device=device, dtype=torch.float64).reshape(())
             values[row + 1, layer - 1] = tracker.weights[layer].to(device=device).reshape(())
@@ -188,6 +197,7 @@ def get_msa_metrics(reset: bool = True,
         _TRACKER.reset()
         _CP_BYTES.reset()
         _RECALL.reset()
+        _BEST_RECALL.reset()
     metrics = _layer_means(METRIC_PREFIX, values[0], values[1])
     total_bytes = None
     for layer in range(count):
@@ -201,6 +211,7 @@ def get_msa_metrics(reset: bool = True,
     if total_bytes is not None:
         metrics[CP_BYTES_PREFIX] = total_bytes
     metrics.update(_layer_means(RECALL_PREFIX, values[5], values[6]))
+    metrics.update(_layer_means(BEST_RECALL_PREFIX, values[7], values[8]))
     return metrics
 
 

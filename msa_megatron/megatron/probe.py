@@ -4,7 +4,8 @@ Arm it before a training (or evaluation) forward; every MSA layer then measures,
 sample of its query rows, the share of the dense teacher's attention mass that lies inside the
 blocks its index branch selects (:func:`msa_megatron.diagnostics.selection_recall`), and where
 those blocks lie. The recall reaches :func:`msa_megatron.megatron.get_msa_metrics` as
-``msa/recall/layer_NN`` and ``msa/recall``; the raw samples stay on the probe for tools that want
+``msa/recall/layer_NN`` and ``msa/recall`` (and the ceilings ``msa/recall_best/...``: the share
+the best allowed selection would hold); the raw samples stay on the probe for tools that want
 more (the tiny example's retrieval task checks whether the block holding the needed key was
 chosen).
 
@@ -131,7 +132,7 @@ class SelectionProbe:
         if local_rows is not None:
             sample = dataclasses.replace(sample, rows=local_rows)
         self.samples[layer_number] = sample
-        record_recall(layer_number, sample.recall)
+        record_recall(layer_number, sample.recall, sample.best_recall)
         return sample
 
 

@@ -57,6 +57,11 @@ def test_answer_row_recall_under_cp_matches_one_rank(tmp_path):
     for per_layer in two["recall_per_layer"]:
         assert all(0.0 < v <= 1.0 + 1e-6 and math.isfinite(v) for v in per_layer), per_layer
     assert 0.0 < two["recall_answer_per_layer"][0][0] < 1.0  # a measurement, not a default
+    for run in (one, two):  # the recall's ceiling: measured beside it, never below it
+        for recall, best in zip(run["recall_per_layer"], run["recall_best_per_layer"]):
+            assert len(best) == len(recall) == 2
+            assert all(r <= b + 1e-6 <= 1.0 + 2e-6 for r, b in zip(recall, best)), (recall, best)
+        assert run["retrieval"]["recall"] <= run["retrieval"]["recall_best"] + 1e-6
     histogram = two["retrieval"]["distance_histogram"]
     assert set(histogram) == {"layer_01", "layer_02"}
     # the uniform rows of both CP ranks are counted: each of the 16 rows per rank selects its

@@ -35,7 +35,10 @@ def test_probe_reports_recall_equal_over_tp(mode):
     one = run_distributed(_probe_worker, 1, args=(1, mode), tp=1)[0]
     two = run_distributed(_probe_worker, 2, args=(2, mode), tp=2)
     keys = {"msa/recall/layer_01", "msa/recall/layer_02", "msa/recall"}
+    keys |= {key.replace("msa/recall", "msa/recall_best") for key in keys}
     assert keys <= set(one["armed"])
+    for key in ("msa/recall/layer_01", "msa/recall/layer_02", "msa/recall"):
+        assert one["armed"][key] <= one["armed"][key.replace("recall", "recall_best")] + 1e-6
     assert not keys & set(one["later"])
     for key in keys:
         assert 0.0 < one["armed"][key] <= 1.0 + 1e-6

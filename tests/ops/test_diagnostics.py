@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -64,10 +66,62 @@ def test_recall_is_one_when_every_block_is_selected(seed):
     sample = selection_recall(inp["q"], inp["k"], inp["q_idx"], inp["k_idx"], rows,
                               inp["cu_seqlens"], block_size=16, top_k=7, backend="torch")
     torch.testing.assert_close(sample.recall, torch.ones_like(sample.recall))
+    torch.testing.assert_close(sample.best_recall, torch.ones_like(sample.recall))
     # With one block (the own one) only, the recall is the mass of the own block: < 1 somewhere.
     own = selection_recall(inp["q"], inp["k"], inp["q_idx"], inp["k_idx"], rows,
                            inp["cu_seqlens"], block_size=16, top_k=1, backend="torch")
     assert float(own.recall.min()) < 0.99
+
+
+def _best_oracle(inp, rows, block_size, top_k, init_blocks, local_blocks):
+    """Per (row, index head): the largest teacher mass over every selection the spec allows
+    (the forced blocks and any ``top_k - #forced`` other eligible blocks), by enumeration."""
+    q, k, cu = inp["q"].double(), inp["k"].double(), inp["cu_seqlens"].tolist()
+    Hq, Hkv, Hi, D = q.shape[1], k.shape[1], inp["q_idx"].shape[1], q.shape[2]
+    out = torch.zeros(len(rows), Hi, dtype=torch.float64)
+    for r, t in enumerate(rows.tolist()):
+        seq = max(i for i in range(len(cu) - 1) if cu[i] <= t < cu[i + 1])
+        start, p = cu[seq], t - cu[seq]
+        own = p // block_size
+        forced = {b for b in range(own + 1) if b < init_blocks or b > own - local_blocks}
+        others = [b for b in range(own + 1) if b not in forced]
+        for i in range(Hi):
+            heads = range(i * Hq // Hi, (i + 1) * Hq // Hi)
+            teacher = torch.zeros(p + 1, dtype=torch.float64)
+            for h in heads:
+                g = h // (Hq // Hkv)
+                teacher += torch.softmax((k[start:t + 1, g] @ q[t, h]) * D ** -0.5, 0)
+            teacher /= len(heads)
+            mass = [float(teacher[b * block_size:(b + 1) * block_size].sum())
+                    for b in range(own + 1)]
+            slots = max(top_k - len(forced), 0)
+            best = max(sum(mass[b] for b in chosen)
+                       for chosen in itertools.combinations(others, min(slots, len(others))))
+            out[r, i] = sum(mass[b] for b in forced) + best
+    return out
+
+
+@pytest.mark.parametrize("lengths,top_k,init_blocks,local_blocks", [
+    ((40, 7, 90), 3, 0, 1),
+    ((130,), 4, 1, 2),      # sink and two local blocks forced
+    ((100, 60), 2, 1, 1),   # the forced blocks fill the budget
+])
+def test_best_recall_is_the_best_allowed_selection(lengths, top_k, init_blocks, local_blocks,
+                                                   seed):
+    inp = make_inputs(lengths, heads=4, kv_heads=2, index_heads=2, dtype=torch.float64,
+                      seed=seed, requires_grad=False)
+    rows = sample_rows(sum(lengths), 20, torch.Generator().manual_seed(seed))
+    sample = selection_recall(inp["q"], inp["k"], inp["q_idx"], inp["k_idx"], rows,
+                              inp["cu_seqlens"], block_size=16, top_k=top_k,
+                              init_blocks=init_blocks, local_blocks=local_blocks,
+                              backend="reference")
+    expected = _best_oracle(inp, rows, 16, top_k, init_blocks, local_blocks)
+    torch.testing.assert_close(sample.best_recall.double(), expected, rtol=1e-5, atol=1e-6)
+    assert torch.all(sample.recall <= sample.best_recall + 1e-6)
+    if top_k > init_blocks + local_blocks:  # the random index misses the best blocks somewhere
+        assert float((sample.best_recall - sample.recall).max()) > 1e-3
+    else:  # the forced blocks fill the budget: every selection is the best one
+        torch.testing.assert_close(sample.recall, sample.best_recall)
 
 
 def test_recall_rejects_bad_rows():

@@ -567,6 +567,8 @@ class History:
     key_hit_per_layer: List[List[float]] = field(default_factory=list)
     # record block chosen per probed step, per layer and index head: [step][layer][head]
     key_hit_per_head: List[List[List[float]]] = field(default_factory=list)
+    # share of questions whose record block some layer's some index head selected, per probe
+    key_hit_any: List[float] = field(default_factory=list)
     retrieval: Optional[Dict[str, object]] = None  # held-out retrieval metrics
     eval_steps: List[int] = field(default_factory=list)  # retrieval: --eval-interval
     eval_exact_match: List[float] = field(default_factory=list)
@@ -695,8 +697,10 @@ def summarize_probe(probe, uniform_count: int, questions: torch.Tensor, window: 
     each TP rank's heads at their global numbers (``index_head_layout``); a head with no answer
     row sampled reads 0. ``recall_best``: the recall's ceiling over the uniform rows (the share
     the best selection the rules allow would hold, ``SelectionSample.best_recall``). Returns
+    ``key_hit_any``: share of questions whose record block at least one (layer, index head)
+    selected: the main heads can read the key somewhere (0 without questions). Returns
     ``{"recall", "recall_answer", "key_hit", "recall_best": [L] floats, "key_hit_per_head":
-    [L][Hi] floats}``."""
+    [L][Hi] floats, "key_hit_any": float}``."""
     layers = sorted(probe.samples)
     # rows: recall, answer-row recall, record block chosen, best recall; sums then counts
     stats = torch.zeros(8, len(layers), dtype=torch.float64, device=device)
@@ -707,6 +711,7 @@ def summarize_probe(probe, uniform_count: int, questions: torch.Tensor, window: 
                                      parallel_state.get_tensor_model_parallel_rank())
                    if heads != local_heads else (0, local_heads, 1))
     per_head = torch.zeros(2, len(layers), heads, dtype=torch.float64, device=device)
+    any_hit = torch.zeros(questions.numel(), dtype=torch.float64, device=device)
     for j, layer in enumerate(layers):
         sample = probe.samples[layer]
         uniform = sample.recall[:uniform_count].double()
@@ -724,12 +729,21 @@ def summarize_probe(probe, uniform_count: int, questions: torch.Tensor, window: 
             stats[2, j], stats[6, j] = float(hit.double().sum()), hit.numel()
             per_head[0, j, first:first + hit.shape[1]] = hit.double().sum(0).to(device)
             per_head[1, j, first:first + hit.shape[1]] = hit.shape[0]
+            any_hit = torch.maximum(any_hit, hit.any(dim=1).double().to(device))
+    # TP ranks hold the same questions and other heads: union over them first; then every rank
+    # counts (TP duplicates cancel in the share, CP ranks hold other questions).
+    dist.all_reduce(any_hit, op=dist.ReduceOp.MAX,
+                    group=parallel_state.get_tensor_model_parallel_group())
+    any_counts = torch.tensor([float(any_hit.sum()), float(any_hit.numel())],
+                              dtype=torch.float64, device=device)
     dist.all_reduce(stats)
     dist.all_reduce(per_head)
+    dist.all_reduce(any_counts)
     means = stats[:4] / stats[4:].clamp(min=1)
     return {"recall": means[0].tolist(), "recall_answer": means[1].tolist(),
             "key_hit": means[2].tolist(), "recall_best": means[3].tolist(),
-            "key_hit_per_head": (per_head[0] / per_head[1].clamp(min=1)).tolist()}
+            "key_hit_per_head": (per_head[0] / per_head[1].clamp(min=1)).tolist(),
+            "key_hit_any": float(any_counts[0] / any_counts[1].clamp(min=1))}
 
 
 def per_head_text(values: Sequence[Sequence[float]]) -> str:
@@ -1072,6 +1086,7 @@ def train_steps(history: History, model: GPTModel, optimizer: torch.optim.Optimi
                       flush=True)
             if probed is not None:
                 history.probe_steps.append(step + 1)
+                history.key_hit_any.append(probed.pop("key_hit_any"))
                 for key, values in probed.items():
                     field_name = key if key.endswith("_per_head") else f"{key}_per_layer"
                     getattr(history, field_name).append(values)
@@ -1116,7 +1131,8 @@ def finish(history: History, model: GPTModel, args: argparse.Namespace, device: 
                   f"{retrieval['value_set_chance']:.3f}), answer loss "
                   f"{retrieval['answer_loss']:.4f}, record block chosen "
                   f"{retrieval.get('key_hit', float('nan')):.2f} (per layer | index head: "
-                  f"{per_head_text(retrieval.get('key_hit_per_head', []))})", flush=True)
+                  f"{per_head_text(retrieval.get('key_hit_per_head', []))}; by some layer and "
+                  f"head {retrieval.get('key_hit_any', float('nan')):.2f})", flush=True)
 
 
 def mean(values: Sequence[float]) -> float:
@@ -1184,6 +1200,7 @@ def evaluate_retrieval(model: GPTModel, windows: List[Window], args: argparse.Na
         if probe is not None:
             probed = summarize_probe(*probe, window, device, index_heads_of(args))
             result["key_hit_per_head"] = probed.pop("key_hit_per_head")
+            result["key_hit_any"] = probed.pop("key_hit_any")
             result.update({key: mean(values) for key, values in probed.items()})
             result.update({f"{key}_per_layer": values for key, values in probed.items()})
             uniform = probe[1]
@@ -1285,13 +1302,14 @@ def plot(histories: List[History], path: Path, warmup_steps: int) -> None:
 def retrieval_table(histories: List[History]) -> str:
     """Markdown table of the held-out retrieval metrics of every run."""
     lines = ["| run | exact match | answer loss | recall | best recall | recall (answer rows) | "
-             "record block chosen | per layer; index head | held-out LM loss |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "record block chosen | by some layer and head | per layer; index head | "
+             "held-out LM loss |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for h in histories:
         r = h.retrieval or {}
         cells = [f"{r[key]:.3f}" if isinstance(r.get(key), float) else "-"
                  for key in ("exact_match", "answer_loss", "recall", "recall_best",
-                             "recall_answer", "key_hit")]
+                             "recall_answer", "key_hit", "key_hit_any")]
         heads = per_head_text(r.get("key_hit_per_head") or []).replace(" | ", "; ") or "-"
         lines.append(f"| {h.name} | " + " | ".join(cells) + f" | {heads} | "
                      f"{h.held_out_loss:.3f} |")

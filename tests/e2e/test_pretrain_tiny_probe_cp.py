@@ -50,9 +50,13 @@ def test_answer_row_recall_under_cp_matches_one_rank(tmp_path):
     for key in ("recall_answer_per_layer", "key_hit_per_layer", "key_hit_per_head"):
         for got, want in zip(two[key], one[key]):
             assert _flat(got) == pytest.approx(_flat(want), abs=RECALL_ATOL), key
-    for key in ("recall_answer", "key_hit", "key_hit_per_head"):
+    for key in ("recall_answer", "key_hit", "key_hit_per_head", "key_hit_any"):
         assert _flat(two["retrieval"][key]) == pytest.approx(_flat(one["retrieval"][key]),
                                                              abs=RECALL_ATOL)
+    assert two["key_hit_any"] == pytest.approx(one["key_hit_any"], abs=RECALL_ATOL)
+    for run in (one, two):  # a question counts when any (layer, head) chose its record block
+        for any_hit, per_layer in zip(run["key_hit_any"], run["key_hit_per_layer"]):
+            assert max(per_layer) - 1e-9 <= any_hit <= 1.0
     _check_per_head(one)
     for per_layer in two["recall_per_layer"]:
         assert all(0.0 < v <= 1.0 + 1e-6 and math.isfinite(v) for v in per_layer), per_layer
@@ -96,3 +100,7 @@ def test_record_block_chosen_per_index_head_under_tp_matches_one_rank(tmp_path):
         _flat(one["retrieval"]["key_hit_per_head"]), abs=RECALL_ATOL)
     heads = [v for step in one["key_hit_per_head"] for layer in step for v in layer]
     assert len(set(heads)) > 1  # not one value copied to every head
+    # "by some layer and head": the union over both TP ranks' heads, as on one rank
+    assert two["key_hit_any"] == pytest.approx(one["key_hit_any"], abs=RECALL_ATOL)
+    assert two["retrieval"]["key_hit_any"] == pytest.approx(one["retrieval"]["key_hit_any"],
+                                                            abs=RECALL_ATOL)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Issue 19 on 1 or 2 H200s, recipe v3 (examples/README.md "Making dense attention learn the
-# task"): a dense warm-up chained over device calls, then the comparison msa / random / local /
-# dense from its end. Successor of gpu_retrieval_fused.sh (commit fbf44b4).
+# Issue 19 on 1 or 2 H200s, recipe v4 (examples/README.md "Making dense attention learn the
+# task": recipe v3 with a 9000-step warm-up and 6 held-out windows): a dense warm-up chained
+# over device calls, then the comparison msa / random / local / dense from its end. Successor
+# of gpu_retrieval_fused.sh (commit fbf44b4).
 #
 #   PHASE=warmup    one link of the warm-up on GPU 0: continue the carried (or kept) warm-up,
 #                   train WARMUP_S seconds, save it; it comes back as $OUT/$NAME.tgz.part-NN
@@ -25,24 +26,29 @@
 # link and the variants must use the same settings (LEN_TASK, WARMUP, STEPS, the recipe): the
 # run refuses a warm-up saved with others (the link fails, its log's last lines say why).
 #
-# Environment: LEN_TASK (8192), WINDOW (16384 tokens per step), WARMUP (dense steps, 5000),
+# Environment: LEN_TASK (8192), WINDOW (16384 tokens per step), WARMUP (dense steps, 9000),
 # STEPS (WARMUP + 400), TOPK (8), LR (3e-3), KEYS (32), VALUES (8), GATE (1.0: the longest
 # training length doubles whenever the mean training answer loss over 50 steps is below it),
-# EXTRA (more flags for every lane), TAG (names a second warm-up of the same length),
-# WARMUP_S (470), FINISH_S (200), LANE_S (270). At ~0.12 s per step, 5000 warm-up steps take
-# ~600 s: one full link and the second call's FINISH_S. If the first link's log shows fewer
-# than ~3500 steps (slower steps), run PHASE=warmup once more before PHASE=variants; if the
-# warm-up is still not done, PHASE=variants returns it (exit 1) for one more call.
+# EXTRA (more flags for every lane; later flags win), TAG (names a second warm-up of the same
+# length), WARMUP_S (470), FINISH_S (300), LANE_S (240). At ~0.08 s per step (held-out
+# evaluations included) the 9000 warm-up steps take two calls: the first link reached step
+# 5777 in its 470 s (2026-12-01), the second call's FINISH_S=300 finished the other 3223, and
+# the four lanes of 400 steps fit in LANE_S=240 side by side on one H200 (413 s for that call).
+# If the first link's log shows fewer than ~5500 steps (slower steps), run PHASE=warmup once
+# more before PHASE=variants; if the warm-up is still not done, PHASE=variants returns it
+# (exit 1) for one more call.
 #
 # Exit status: 0 when the phase did its work; PHASE=warmup: the link's own when it failed (2:
 # settings refused, 124: stopped by its timeout, its steps not saved); PHASE=variants: 1 when
 # the warm-up is not finished (its pieces come back for another link) or a lane failed; 1 for
 # carried pieces that do not unpack; 2 for an unknown PHASE.
 #
-# Device tool, 2 GPUs (on one GPU the same commands, without lane B):
-#   run(kind="nvidia-h200-x2", carry=[".whl"], command="PHASE=warmup B_FLAGS='--value-vocab 32' bash benchmarks/gpu_retrieval_chain.sh")
+# Device tool, one GPU (the run of benchmarks/results/retrieval/gpu_2026-12-01_s8/):
+#   run(kind="nvidia-h200", carry=[".whl"], command="PHASE=warmup bash benchmarks/gpu_retrieval_chain.sh")
 #   (here: rm -rf runs/carry && mkdir -p runs/carry && cp <files_at>/r8192.tgz.* runs/carry/)
-#   run(kind="nvidia-h200-x2", carry=[".whl", "runs/carry"], command="PHASE=variants bash benchmarks/gpu_retrieval_chain.sh")
+#   run(kind="nvidia-h200", carry=[".whl", "runs/carry"], command="PHASE=variants bash benchmarks/gpu_retrieval_chain.sh")
+# Two GPUs: the same with kind="nvidia-h200-x2"; the first call may add B_FLAGS='--value-vocab 32'
+# (lane B on GPU 1), and the variants then run two lanes per GPU.
 set -u
 PHASE=${PHASE:-warmup}
 case "$PHASE" in warmup|variants) ;;
@@ -57,7 +63,7 @@ for var in LEN_TASK WINDOW WARMUP STEPS TOPK WARMUP_S FINISH_S LANE_S; do
 done
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 . benchmarks/gpu_env.sh
-LEN_TASK=${LEN_TASK:-8192}; WINDOW=${WINDOW:-16384}; WARMUP=${WARMUP:-5000}
+LEN_TASK=${LEN_TASK:-8192}; WINDOW=${WINDOW:-16384}; WARMUP=${WARMUP:-9000}
 STEPS=${STEPS:-$((WARMUP + 400))}; TOPK=${TOPK:-8}; WARMUP_S=${WARMUP_S:-470}
 NAME=r$LEN_TASK${TAG:-}; R=runs/$NAME
 RECIPE="--task retrieval --record-format fused --seq-len $WINDOW --task-len $LEN_TASK
@@ -66,7 +72,7 @@ RECIPE="--task retrieval --record-format fused --seq-len $WINDOW --task-len $LEN
  --answer-weight 64 --layers 4 --hidden 256 --ffn-hidden 704 --heads 4 --query-groups 2
  --index-head-dim 64 --block-size 128 --top-k $TOPK --rotary-base 1000000 --lr ${LR:-3e-3}
  --lr-warmup 50 --warmup-steps $WARMUP --steps $STEPS --log-interval 100 --eval-interval 500
- --probe-interval 500 --eval-windows 2 ${EXTRA:-}"
+ --probe-interval 500 --eval-windows 6 ${EXTRA:-}"
 SAVED="$R/warmup/warmup_rank000_of001.pt"
 gpus=$(python3 -c "import torch; print(max(torch.cuda.device_count(), 1))")
 mkdir -p "$R"
@@ -158,8 +164,8 @@ fi
 
 done_steps=$(saved_step) || exit 1
 if [ "$done_steps" -lt "$WARMUP" ]; then
-    echo "warm-up at step $done_steps of $WARMUP: finishing it (at most ${FINISH_S:-200} s)"
-    link "${FINISH_S:-200}"
+    echo "warm-up at step $done_steps of $WARMUP: finishing it (at most ${FINISH_S:-300} s)"
+    link "${FINISH_S:-300}"
     done_steps=$(saved_step) || exit 1
 fi
 if [ "$done_steps" -lt "$WARMUP" ]; then
@@ -173,7 +179,7 @@ visible=(${CUDA_VISIBLE_DEVICES:+${CUDA_VISIBLE_DEVICES//,/ }})
 for run in msa random local dense; do
     port=$((port + 1)); gpu=$((i % gpus)); i=$((i + 1))
     [ ${#visible[@]} -gt 0 ] && gpu=${visible[$gpu]}
-    CUDA_VISIBLE_DEVICES=$gpu MASTER_PORT=$port timeout "${LANE_S:-270}" python3 \
+    CUDA_VISIBLE_DEVICES=$gpu MASTER_PORT=$port timeout "${LANE_S:-240}" python3 \
         examples/pretrain_tiny.py $RECIPE --runs "$run" --load-warmup "$R/warmup" \
         --out-dir "$R/$run" > "$R/$run.log" 2>&1 &
     pids+=($!)

@@ -475,6 +475,17 @@ def test_report_breaks_record_block_chosen_down_per_layer_and_index_head(tmp_pat
     summary = json.loads((tmp_path / "retrieval.json").read_text())
     assert summary["msa"]["key_hit_per_head"] == [[[0.9, 0.1], [0.25, 0.5]]]
     assert retrieval_report.head_table({"dense": {"retrieval": {}}}) == ""
+    # newer runs add the recall's ceiling and the union over layers and heads
+    runs = retrieval_report.load_runs(tmp_path)
+    runs["msa"]["retrieval"].update(recall_best=0.8, key_hit_any=0.75)
+    lines = retrieval_report.table(runs).splitlines()
+    assert lines[0] == ("| run | exact match | answer loss | recall | best recall | recall, answer "
+                        "rows | record block chosen | by some layer and head | held-out LM loss "
+                        "| tokens/s |")
+    assert lines[1] == "|---" * 10 + "|"
+    assert lines[2].startswith("| MSA, KL-trained index | 0.500 | 1.000 | 0.550 | 0.800 | 0.400 |"
+                               " 0.438 | 0.750 | 2.000 |")
+    assert lines[3].startswith("| MSA, frozen random index | 0.500 | 1.000 | 0.550 | - | 0.400 |")
 
 
 def test_report_reads_stored_metrics_and_names_what_is_missing(tmp_path):
@@ -505,6 +516,7 @@ def test_report_reads_stored_metrics_and_names_what_is_missing(tmp_path):
     assert retrieval_report.main([str(tmp_path)]) == 0
     text = (tmp_path / "retrieval.md").read_text()
     assert "| dense attention | 0.750 | 1.000 | 0.550 | 0.400 | 0.300 | 2.500 | 12 |" in text
+    assert "best recall" not in text  # stored before the ceiling was measured: same columns
     assert "| MSA, KL-trained index | 0.750 |" in text and "| 2.500 | - |" in text
     assert "no metrics for random, local (see local.log)" in text
     assert "no run has key_hit_per_head" in text and "metrics_bad.json.gz cannot be read" in text

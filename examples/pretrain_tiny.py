@@ -774,6 +774,10 @@ def run_variants(args: argparse.Namespace, device: torch.device, train_windows: 
     ``random`` variant puts the index branch back to its initial (random) weights and freezes it,
     ``local`` keeps only the own block, ``dense`` stays dense. (Equivalent to training each from
     scratch with the same seed: the index branch does not touch the backbone in dense mode.)
+
+    With ``--init-weights`` the warm-up starts from the weights of another warm-up
+    (:func:`load_init_weights`), trained index branch included; the ``random`` variant still
+    gets the random index branch of a fresh :func:`build_model`, taken before that load.
     """
     dp_size = parallel_state.get_data_parallel_world_size()
     model = build_model(args, device)
@@ -788,6 +792,8 @@ def run_variants(args: argparse.Namespace, device: torch.device, train_windows: 
     warmup, done = History("warmup"), 0
     if args.load_warmup is not None or args.resume_warmup is not None:
         warmup, done = load_warmup(args, model, optimizer, train_windows)
+    elif args.init_weights is not None:  # after initial_index: the random variant stays random
+        load_init_weights(args, model)
     if done < args.warmup_steps:  # a fresh warm-up, or the rest of a resumed one
         stop = min(args.warmup_steps, args.warmup_until or args.warmup_steps)
         deadline = (time.perf_counter() + args.warmup_seconds
@@ -834,7 +840,14 @@ WARMUP_KEYS = ("tp", "cp", "seq_len", "layers", "hidden", "ffn_hidden", "heads",
                "answer_weight", "warmup_steps", "backend", "vocab_size",
                "steps")  # --steps: the learning-rate schedule depends on it
 # (Not here, free to differ between the links of a chained warm-up: --warmup-until,
-# --warmup-seconds, --runs, logging, evaluation and output flags.)
+# --warmup-seconds, --runs, logging, evaluation and output flags. --init-weights is saved
+# beside them and compared only when given: see warmup_settings_differ.)
+
+# The settings that fix the shapes of the saved weights and how they are split into the per-rank
+# files: what --init-weights requires of the warm-up it starts from (a subset of WARMUP_KEYS;
+# --seq-len, --rotary-base, the task and the schedule may differ).
+SHAPE_KEYS = ("tp", "cp", "layers", "hidden", "ffn_hidden", "heads", "query_groups",
+              "index_head_dim", "index_heads", "index_key_heads", "vocab_size")
 
 
 def _warmup_file(directory: Path, rank: Optional[int] = None,
@@ -844,20 +857,42 @@ def _warmup_file(directory: Path, rank: Optional[int] = None,
     return directory / f"warmup_rank{rank:03d}_of{world_size:03d}.pt"
 
 
-def warmup_settings_differ(saved: Dict[str, object], args: argparse.Namespace) -> str:
-    """``"key=saved/now, ..."`` for every :data:`WARMUP_KEYS` setting of a saved warm-up that
-    differs from ``args`` (empty string: they agree)."""
-    return ", ".join(f"{k}={v!r}/{getattr(args, k, None)!r}" for k, v in sorted(saved.items())
-                     if v != getattr(args, k, None))
+def warmup_settings(args: argparse.Namespace) -> Dict[str, object]:
+    """The settings :func:`save_warmup` records: :data:`WARMUP_KEYS` and ``init_weights`` (the
+    ``--init-weights`` directory the warm-up started from, as a string; None: random weights)."""
+    settings = {k: getattr(args, k, None) for k in WARMUP_KEYS}
+    settings["init_weights"] = None if args.init_weights is None else str(args.init_weights)
+    return settings
+
+
+def warmup_settings_differ(saved: Dict[str, object], args: argparse.Namespace,
+                           keys: Optional[Sequence[str]] = None) -> str:
+    """``"key=saved/now, ..."`` for every setting of a saved warm-up (``saved``, what
+    :func:`warmup_settings` recorded) that differs from ``args`` (empty string: they agree).
+
+    ``keys``: compare only these (:data:`SHAPE_KEYS` for ``--init-weights``). Default: every
+    saved setting; ``init_weights`` only when ``args`` gives ``--init-weights`` (a warm-up
+    resumed or loaded without it keeps the weights it started from)."""
+    now = {**vars(args), **warmup_settings(args)}
+    if keys is None:
+        keys = [k for k in saved if k != "init_weights"]
+        keys += ["init_weights"] if args.init_weights is not None else []
+    return ", ".join(f"{k}={saved.get(k)!r}/{now.get(k)!r}" for k in sorted(keys)
+                     if saved.get(k) != now.get(k))
 
 
 def saved_warmup_problem(flag: str, directory: Path, settings: Dict[str, object], step: int,
                          args: argparse.Namespace) -> Optional[str]:
     """Why the warm-up saved in ``directory`` (its ``settings`` and ``step``) cannot serve
-    ``flag`` (``--load-warmup`` or ``--resume-warmup``) with these ``args``: other settings, a
-    partial warm-up to load, a complete one or a step at or past ``--warmup-until`` to resume
-    for a chained link. None: it can. Checked at start-up (:func:`check_warmup_dirs`) and again
-    by :func:`load_warmup` on the file it loads."""
+    ``flag`` (``--load-warmup``, ``--resume-warmup`` or ``--init-weights``) with these ``args``:
+    other settings (for ``--init-weights`` only those of :data:`SHAPE_KEYS`: any step, task,
+    length or schedule serves), a partial warm-up to load, a complete one or a step at or past
+    ``--warmup-until`` to resume for a chained link. None: it can. Checked at start-up
+    (:func:`check_warmup_dirs`) and again by :func:`read_warmup` on the file it loads."""
+    if flag == "--init-weights":
+        differ = warmup_settings_differ(settings, args, SHAPE_KEYS)
+        return (f"--init-weights {directory} holds a model of another shape (saved, now): "
+                f"{differ}" if differ else None)
     differ = warmup_settings_differ(settings, args)
     if differ:
         return f"{flag} {directory} was saved with other settings (saved, now): " + differ
@@ -879,11 +914,14 @@ def saved_warmup_problem(flag: str, directory: Path, settings: Dict[str, object]
 
 def check_warmup_dirs(args: argparse.Namespace, world_size: int) -> List[str]:
     """The problems of the warm-up flags (``--save-warmup``, ``--load-warmup``,
-    ``--resume-warmup``, ``--warmup-until``, ``--warmup-seconds``) that need the saved files:
-    missing or unreadable files (another world size, not a warm-up directory, a cut copy),
-    other settings, a partial warm-up given to ``--load-warmup``, a complete one or a step at or
-    past ``--warmup-until`` given to ``--resume-warmup``, and a ``--save-warmup`` directory
-    that holds a partial warm-up which this run would overwrite instead of continuing it.
+    ``--resume-warmup``, ``--warmup-until``, ``--warmup-seconds``, ``--init-weights``) that need
+    the saved files: missing or unreadable files (another world size, not a warm-up directory, a
+    cut copy), other settings (``--init-weights``: another model shape or TP / CP layout), a
+    partial warm-up given to ``--load-warmup``, a complete one or a step at or past
+    ``--warmup-until`` given to ``--resume-warmup``, a resumed warm-up that started from
+    another ``--init-weights``, and a ``--save-warmup`` directory that holds a partial warm-up
+    which this run would overwrite instead of continuing it. (``--init-weights`` with
+    ``--resume-warmup`` reads no file of its own: the resumed state holds the weights.)
 
     Reads only the small header of each file (settings and step; the tensors are memory-mapped,
     not read). Returns one message per problem (empty: all good)."""
@@ -928,8 +966,9 @@ def check_warmup_dirs(args: argparse.Namespace, world_size: int) -> List[str]:
             first = first or {"settings": settings, "step": step}
         return first
 
+    init = args.init_weights if args.resume_warmup is None else None
     for flag, directory in (("--load-warmup", args.load_warmup),
-                            ("--resume-warmup", args.resume_warmup)):
+                            ("--resume-warmup", args.resume_warmup), ("--init-weights", init)):
         if directory is None or not directory.is_dir():
             continue  # not given, or named by check_settings already
         saved = header(directory, flag, errors)
@@ -958,14 +997,15 @@ def save_warmup(args: argparse.Namespace, model: GPTModel, optimizer: torch.opti
     :data:`WARMUP_KEYS`, the number of warm-up steps done (``step``; fewer than
     ``--warmup-steps`` for one link of a chained warm-up) and the training-data generator's
     state before window ``step x DP`` (retrieval task; the text windows are a plain list) to
-    ``--save-warmup`` (one file per rank; written to a temporary name first, then renamed)."""
+    ``--save-warmup`` (one file per rank; written to a temporary name first, then renamed).
+    The settings (:func:`warmup_settings`) include the ``--init-weights`` directory, if any."""
     dp_size = parallel_state.get_data_parallel_world_size()
     data = (train_windows.state_at(step * dp_size)
             if isinstance(train_windows, LazyWindows) else None)
     args.save_warmup.mkdir(parents=True, exist_ok=True)
     path = _warmup_file(args.save_warmup)
     partial = path.with_name(path.name + ".tmp")
-    torch.save({"settings": {k: getattr(args, k, None) for k in WARMUP_KEYS},
+    torch.save({"settings": warmup_settings(args),
                 "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                 "history": dataclasses.asdict(warmup), "step": step, "data": data}, partial)
     partial.replace(path)
@@ -984,20 +1024,18 @@ def load_warmup(args: argparse.Namespace, model: GPTModel, optimizer: torch.opti
     saved step's window without rebuilding the earlier ones. Returns ``(history, step)``: the
     warm-up history and the number of warm-up steps it holds.
 
+    A warm-up that started from ``--init-weights`` passes that directory on: when ``args``
+    has none, ``args.init_weights`` is set to it, so ``metrics.json`` and the next link's save
+    record it.
+
     Raises ValueError when the file is missing or the saved warm-up cannot serve the flag
     (:func:`saved_warmup_problem`: other :data:`WARMUP_KEYS` settings, a partial warm-up given to
     ``--load-warmup``, nothing left to resume for a chained link)."""
     directory = args.load_warmup if args.load_warmup is not None else args.resume_warmup
     flag = "--load-warmup" if args.load_warmup is not None else "--resume-warmup"
-    path = _warmup_file(directory)
-    if not path.is_file():
-        raise ValueError(f"{flag} {directory}: no {path.name} (saved with another "
-                         f"world size, or not a --save-warmup directory)")
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    step = int(state.get("step", args.warmup_steps))  # older saves: complete warm-ups only
-    problem = saved_warmup_problem(flag, directory, state["settings"], step, args)
-    if problem:  # checked at start-up; here again, on the file actually loaded
-        raise ValueError(problem)
+    state, step = read_warmup(flag, directory, args)
+    if args.init_weights is None and state["settings"].get("init_weights") is not None:
+        args.init_weights = Path(state["settings"]["init_weights"])
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     if isinstance(train_windows, LazyWindows):
@@ -1007,6 +1045,44 @@ def load_warmup(args: argparse.Namespace, model: GPTModel, optimizer: torch.opti
         print(f"loaded the warm-up (step {step} of {args.warmup_steps}) from {directory}",
               flush=True)
     return History(**state["history"]), step
+
+
+def read_warmup(flag: str, directory: Path, args: argparse.Namespace
+                ) -> Tuple[Dict[str, object], int]:
+    """This rank's file of the warm-up saved in ``directory`` (by :func:`save_warmup`), for
+    ``flag`` (``--load-warmup``, ``--resume-warmup`` or ``--init-weights``): ``(state, step)``,
+    the saved dictionary (tensors on the CPU) and the number of warm-up steps it holds.
+
+    Raises ValueError when the file is missing (another world size, not a warm-up directory) or
+    the warm-up cannot serve ``flag`` (:func:`saved_warmup_problem`, checked at start-up and
+    here again on the file actually read)."""
+    path = _warmup_file(directory)
+    if not path.is_file():
+        raise ValueError(f"{flag} {directory}: no {path.name} (saved with another "
+                         f"world size, or not a --save-warmup directory)")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    step = int(state.get("step", args.warmup_steps))  # older saves: complete warm-ups only
+    problem = saved_warmup_problem(flag, directory, state["settings"], step, args)
+    if problem:
+        raise ValueError(problem)
+    return state, step
+
+
+def load_init_weights(args: argparse.Namespace, model: GPTModel) -> None:
+    """``--init-weights``: copy the model weights of the warm-up saved in that directory
+    (complete or partial, any task, length, step or schedule; same shapes and TP / CP layout,
+    :data:`SHAPE_KEYS`) into ``model``, this rank's shard from this rank's file. Weights only:
+    the optimizer, step, learning-rate schedule, data stream and history stay those of a fresh
+    run. The index branch comes trained with the rest.
+
+    Raises ValueError (:func:`read_warmup`) when the file is missing or holds another shape."""
+    state, step = read_warmup("--init-weights", args.init_weights, args)
+    model.load_state_dict(state["model"])
+    if dist.get_rank() == 0:
+        saved = state["settings"]
+        print(f"initialised the weights from --init-weights {args.init_weights} (a warm-up at "
+              f"step {step} of {saved.get('warmup_steps')}, --seq-len {saved.get('seq_len')}); "
+              "fresh optimizer, step 0", flush=True)
 
 
 def train_steps(history: History, model: GPTModel, optimizer: torch.optim.Optimizer,
@@ -1402,6 +1478,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "exactly where it stopped: model, optimizer, step, learning-rate "
                         "schedule, data position and length curriculum (same settings); a "
                         "complete one is loaded like --load-warmup")
+    p.add_argument("--init-weights", type=Path, default=None,
+                   help="length extension: start this run's dense warm-up from the model weights "
+                        "of a --save-warmup directory (complete or partial; its task, lengths, "
+                        "steps and lr may differ, the model shape and TP / CP layout may not), "
+                        "trained index branch included (the random variant still resets it to "
+                        "random weights); fresh optimizer, step 0, lr schedule and data. "
+                        "Recorded in the saved warm-up: --resume-warmup of it accepts the same "
+                        "--init-weights or none (not read again), and refuses another")
     p.add_argument("--warmup-until", type=int, default=None,
                    help="chained warm-up: train the warm-up only up to this global step (at "
                         "most --warmup-steps), save it to --save-warmup and exit without the "
@@ -1578,8 +1662,17 @@ def check_settings(args: argparse.Namespace, world_size: int) -> List[str]:
                       "warm-up with --resume-warmup)")
     if args.load_warmup is not None and args.resume_warmup is not None:
         errors.append("--load-warmup and --resume-warmup exclude each other")
+    if args.init_weights is not None and args.load_warmup is not None:
+        errors.append("--init-weights and --load-warmup exclude each other (--load-warmup "
+                      "starts the variants from a saved warm-up's weights; --init-weights starts "
+                      "a new warm-up from them)")
+    if (args.init_weights is not None and args.save_warmup is not None
+            and args.init_weights.resolve() == args.save_warmup.resolve()):
+        errors.append(f"--init-weights and --save-warmup are both {args.init_weights}: the new "
+                      "warm-up would overwrite the one it starts from; save it elsewhere")
+    init = args.init_weights if args.resume_warmup is None else None  # resumed: not read
     for flag, directory in (("--load-warmup", args.load_warmup),
-                            ("--resume-warmup", args.resume_warmup)):
+                            ("--resume-warmup", args.resume_warmup), ("--init-weights", init)):
         if directory is not None and not directory.is_dir():
             errors.append(f"{flag} {directory} is not a directory")
     chained = [f for f, v in (("--warmup-until", args.warmup_until),

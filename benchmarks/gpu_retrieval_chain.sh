@@ -25,15 +25,27 @@
 # refused); a warm-up left on a still-warm machine is used when nothing was carried. Every
 # link and the variants must use the same settings (LEN_TASK, WARMUP, STEPS, the recipe): the
 # run refuses a warm-up saved with others (the link fails, its log's last lines say why).
+# PHASE=variants also returns the finished warm-up's pieces (KEEP_WARMUP=0: not), so that it
+# can seed a longer run.
+#
+# Length extension (examples/README.md "Length extension"): INIT=<name of another warm-up,
+# e.g. r8192> starts this warm-up from that one's weights (pretrain_tiny --init-weights; fresh
+# optimizer, schedule and data). Its returned pieces go to runs/carry_init/ (cp
+# <files_at>/r8192.tgz.* runs/carry_init/) and are carried on the FIRST link only
+# (carry=[".whl", "runs/carry_init"]: two warm-ups exceed the 64 MiB a call carries); later
+# links and the variants keep INIT set and carry runs/carry as usual (the saved warm-up records
+# its source, which need not be present any more). 32K from the 8K warm-up, one GPU:
+#   run(kind="nvidia-h200", carry=[".whl", "runs/carry_init"], command="LEN_TASK=32768 WINDOW=32768 TOPK=16 WARMUP=3000 INIT=r8192 PHASE=warmup bash benchmarks/gpu_retrieval_chain.sh")
+#   run(kind="nvidia-h200", carry=[".whl", "runs/carry"], command="LEN_TASK=32768 WINDOW=32768 TOPK=16 WARMUP=3000 INIT=r8192 PHASE=variants bash benchmarks/gpu_retrieval_chain.sh")
 #
 # Environment: LEN_TASK (8192), WINDOW (16384 tokens per step), WARMUP (dense steps, 9000),
 # STEPS (WARMUP + 400), TOPK (8), LR (3e-3), KEYS (32), VALUES (8), GATE (1.0: the longest
 # training length doubles whenever the mean training answer loss over 50 steps is below it),
 # EXTRA (more flags for every lane; later flags win), TAG (names a second warm-up of the same
-# length), WARMUP_S (470), FINISH_S (300), LANE_S (240). At ~0.08 s per step (held-out
-# evaluations included) the 9000 warm-up steps take two calls: the first link reached step
-# 5777 in its 470 s (2026-12-01), the second call's FINISH_S=300 finished the other 3223, and
-# the four lanes of 400 steps fit in LANE_S=240 side by side on one H200 (413 s for that call).
+# length), INIT (none), KEEP_WARMUP (1), WARMUP_S (470), FINISH_S (300), LANE_S (240). At
+# ~0.08 s per step (held-out evaluations included) the 9000 warm-up steps take two calls: the
+# first link reached step 5777 in its 470 s (2026-12-01), the second call's FINISH_S=300
+# finished the other 3223, and the four lanes of 400 steps fit in LANE_S=240 side by side on one H200 (413 s for that call).
 # If the first link's log shows fewer than ~5500 steps (slower steps), run PHASE=warmup once
 # more before PHASE=variants; if the warm-up is still not done, PHASE=variants returns it
 # (exit 1) for one more call.
@@ -66,6 +78,10 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 LEN_TASK=${LEN_TASK:-8192}; WINDOW=${WINDOW:-16384}; WARMUP=${WARMUP:-9000}
 STEPS=${STEPS:-$((WARMUP + 400))}; TOPK=${TOPK:-8}; WARMUP_S=${WARMUP_S:-470}
 NAME=r$LEN_TASK${TAG:-}; R=runs/$NAME
+if [ -n "${INIT:-}" ] && [ "$INIT" = "$NAME" ]; then
+    echo "gpu_retrieval_chain.sh: INIT=$INIT is this run's own warm-up: name another" >&2
+    exit 2
+fi
 RECIPE="--task retrieval --record-format fused --seq-len $WINDOW --task-len $LEN_TASK
  --task-len-min 64 --task-curriculum-gate ${GATE:-1.0} --task-question-every 8 --pairs 32
  --queries 32 --key-vocab ${KEYS:-32} --value-vocab ${VALUES:-8} --min-distance $((LEN_TASK / 4))
@@ -77,24 +93,34 @@ SAVED="$R/warmup/warmup_rank000_of001.pt"
 gpus=$(python3 -c "import torch; print(max(torch.cuda.device_count(), 1))")
 mkdir -p "$R"
 
+unpack() {  # unpack() DIR NAME: the pieces DIR/NAME.tgz.part-* into runs/NAME/warmup
+    local sum=$1/$2.tgz.sha256
+    if [ -f "$sum" ] && [ "$(cat "$1/$2".tgz.part-* | sha256sum | cut -d' ' -f1)" \
+            != "$(cut -d' ' -f1 "$sum")" ]; then
+        echo "$1/$2.tgz.part-* do not match $sum (pieces missing, or from two" \
+             "calls mixed): carry exactly the files of one call" >&2
+        exit 1
+    fi
+    mkdir -p "runs/$2" && rm -rf "runs/$2/warmup"
+    if ! cat "$1/$2".tgz.part-* | tar xzf - -C "runs/$2"; then
+        echo "$1/$2.tgz.part-* do not unpack (cut, or from two calls mixed):" \
+             "carry exactly the files of one call" >&2
+        exit 1
+    fi
+    echo "warm-up unpacked from $1 ($(ls "$1/$2".tgz.part-* | wc -l) pieces)"
+}
 restore() {  # the carried pieces win; else a warm-up kept on this machine from the last call
-    if ls runs/carry/"$NAME".tgz.part-* >/dev/null 2>&1; then
-        local sum=runs/carry/$NAME.tgz.sha256
-        if [ -f "$sum" ] && [ "$(cat runs/carry/"$NAME".tgz.part-* | sha256sum | cut -d' ' -f1)" \
-                != "$(cut -d' ' -f1 "$sum")" ]; then
-            echo "runs/carry/$NAME.tgz.part-* do not match $sum (pieces missing, or from two" \
-                 "calls mixed): carry exactly the files of one call" >&2
-            exit 1
-        fi
-        rm -rf "$R/warmup"
-        if ! cat runs/carry/"$NAME".tgz.part-* | tar xzf - -C "$R"; then
-            echo "runs/carry/$NAME.tgz.part-* do not unpack (cut, or from two calls mixed):" \
-                 "carry exactly the files of one call" >&2
-            exit 1
-        fi
-        echo "warm-up unpacked from runs/carry ($(ls runs/carry/"$NAME".tgz.part-* | wc -l) pieces)"
+    if ls runs/carry/"$NAME".tgz.part-* >/dev/null 2>&1; then unpack runs/carry "$NAME"
     elif [ -f "$SAVED" ]; then echo "warm-up kept on this machine"
     else echo "no warm-up yet: starting one"; fi
+    [ -n "${INIT:-}" ] || return 0
+    if ls runs/carry_init/"$INIT".tgz.part-* >/dev/null 2>&1; then
+        unpack runs/carry_init "$INIT"
+    elif [ ! -f "$SAVED" ] && [ ! -d "runs/$INIT/warmup" ]; then
+        echo "INIT=$INIT: no runs/$INIT/warmup to start from: carry its pieces in" \
+             "runs/carry_init/ (carry=[\".whl\", \"runs/carry_init\"])" >&2
+        exit 1
+    fi
 }
 saved_step() {  # warm-up steps held by the saved warm-up (0: none); exits when unreadable
     [ -f "$SAVED" ] || { echo 0; return; }
@@ -117,6 +143,7 @@ pack() {  # the warm-up into $OUT as pieces of 15 MiB and their checksum
 link() {  # train the warm-up for $1 seconds (continuing a saved one), save it; its exit status
     local resume=() status from
     [ -f "$SAVED" ] && resume=(--resume-warmup "$R/warmup")
+    [ -n "${INIT:-}" ] && resume+=(--init-weights "runs/$INIT/warmup")  # every link: same flags
     from=$(($(cat "$R/warmup.log" 2>/dev/null | wc -l) + 1))  # this link's lines start there
     CUDA_VISIBLE_DEVICES=0 MASTER_PORT=29651 timeout $(($1 + 240)) python3 \
         examples/pretrain_tiny.py $RECIPE --runs dense "${resume[@]}" --save-warmup "$R/warmup" \
@@ -194,5 +221,6 @@ done
 python3 examples/retrieval_report.py "$R" || status=1
 for f in json md png; do cp "$R/retrieval.$f" "$OUT/retrieval_$NAME.$f" 2>/dev/null; done
 tar czf "$OUT/retrieval_${NAME}_logs.tgz" "$R"/*.log "$R"/*/metrics.json 2>/dev/null
+[ "${KEEP_WARMUP:-1}" = 1 ] && pack  # the finished warm-up comes back: it can seed a longer run
 ls -la "$OUT"
 exit "$status"

@@ -77,9 +77,56 @@ def test_warmup_link_carried_into_the_variants(tree, tmp_path):
     second = _chain(tree, tmp_path / "out2", PHASE="variants", FINISH_S="30")
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "warm-up unpacked from runs/carry (1 pieces)" in second.stdout
+    # the finished warm-up comes back too (to seed a longer run)
+    assert (tmp_path / "out2" / "r256_t.tgz.sha256").is_file()
+    assert sorted((tmp_path / "out2").glob("r256_t.tgz.part-*"))
     report = (tmp_path / "out2" / "retrieval_r256_t.md").read_text()
     for label in ("dense attention", "MSA, KL-trained index", "MSA, frozen random index",
                   "own block only"):
         assert label in report
     again = _chain(tree, tmp_path / "out3", PHASE="warmup", WARMUP_S="5")
     assert again.returncode == 0 and "the warm-up is complete (step 6 of 6)" in again.stdout
+
+
+def test_init_names_a_warmup_to_start_from(tree, tmp_path):
+    """INIT: the run's own warm-up is refused; without the other warm-up's pieces (or a kept
+    copy) the link stops before training and says what to carry."""
+    proc = _chain(tree, tmp_path / "out", PHASE="warmup", INIT="r256_t")
+    assert proc.returncode == 2 and "INIT=r256_t is this run's own warm-up" in proc.stderr
+    proc = _chain(tree, tmp_path / "out", PHASE="warmup", INIT="r128")
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "INIT=r128: no runs/r128/warmup" in proc.stderr and "runs/carry_init" in proc.stderr
+    assert not (tree / "runs" / "r256_t" / "warmup.log").exists()  # no link started
+
+
+@pytest.mark.slow
+def test_length_extension_from_a_carried_warmup(tree, tmp_path):
+    """A 128-token warm-up's pieces carried in runs/carry_init seed the 256-token warm-up
+    (pretrain_tiny --init-weights): the saved warm-up records its source, and the next link
+    resumes it with INIT still set and the source gone."""
+    import torch
+
+    short = _chain(tree, tmp_path / "short", PHASE="warmup", WARMUP_S="3", LEN_TASK="128",
+                   WINDOW="256", TAG="")
+    assert short.returncode == 0, short.stdout[-3000:] + short.stderr[-3000:]
+    shutil.rmtree(tree / "runs")
+    carry_init = tree / "runs" / "carry_init"
+    carry_init.mkdir(parents=True)
+    for piece in (tmp_path / "short").glob("r128.tgz.*"):
+        shutil.copy(piece, carry_init / piece.name)
+    long = dict(PHASE="warmup", WARMUP_S="2", INIT="r128", WARMUP="400", STEPS="402")
+    saved_file = tree / "runs" / "r256_t" / "warmup" / "warmup_rank000_of001.pt"
+    first = _chain(tree, tmp_path / "out", **long)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "warm-up unpacked from runs/carry_init (1 pieces)" in first.stdout
+    saved = torch.load(saved_file, weights_only=True, mmap=True)
+    assert saved["settings"]["init_weights"] == "runs/r128/warmup"
+    assert 0 < saved["step"] < 400  # a partial warm-up: the next link resumes it
+    shutil.rmtree(tree / "runs" / "r128")
+    shutil.rmtree(carry_init)
+    second = _chain(tree, tmp_path / "out2", **long)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "warm-up kept on this machine" in second.stdout
+    resumed = torch.load(saved_file, weights_only=True, mmap=True)
+    assert resumed["step"] > saved["step"]
+    assert resumed["settings"]["init_weights"] == "runs/r128/warmup"

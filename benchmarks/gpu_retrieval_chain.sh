@@ -34,9 +34,13 @@
 # <files_at>/r8192.tgz.* runs/carry_init/) and are carried on the FIRST link only
 # (carry=[".whl", "runs/carry_init"]: two warm-ups exceed the 64 MiB a call carries); later
 # links and the variants keep INIT set and carry runs/carry as usual (the saved warm-up records
-# its source, which need not be present any more). 32K from the 8K warm-up, one GPU:
-#   run(kind="nvidia-h200", carry=[".whl", "runs/carry_init"], command="LEN_TASK=32768 WINDOW=32768 TOPK=16 WARMUP=3000 INIT=r8192 PHASE=warmup bash benchmarks/gpu_retrieval_chain.sh")
-#   run(kind="nvidia-h200", carry=[".whl", "runs/carry"], command="LEN_TASK=32768 WINDOW=32768 TOPK=16 WARMUP=3000 INIT=r8192 PHASE=variants bash benchmarks/gpu_retrieval_chain.sh")
+# its source, which need not be present any more; INIT is not checked against a warm-up that is
+# already complete). 32K from the 8K warm-up, one GPU. Not yet run: the sizes are estimates (a
+# 32K step ~3x an 8K one, ~0.25 s: 1500 steps fit the first link and FINISH_S; 200 steps per
+# lane, four lanes side by side, within LANE_S=400); read the first link's step rate and
+# resize WARMUP / STEPS (the same on every call) if it is slower:
+#   run(kind="nvidia-h200", carry=[".whl", "runs/carry_init"], command="LEN_TASK=32768 WINDOW=32768 TOPK=16 WARMUP=1500 STEPS=1700 INIT=r8192 PHASE=warmup bash benchmarks/gpu_retrieval_chain.sh")
+#   run(kind="nvidia-h200", carry=[".whl", "runs/carry"], command="LEN_TASK=32768 WINDOW=32768 TOPK=16 WARMUP=1500 STEPS=1700 INIT=r8192 PHASE=variants FINISH_S=150 LANE_S=380 bash benchmarks/gpu_retrieval_chain.sh")
 #
 # Environment: LEN_TASK (8192), WINDOW (16384 tokens per step), WARMUP (dense steps, 9000),
 # STEPS (WARMUP + 400), TOPK (8), LR (3e-3), KEYS (32), VALUES (8), GATE (1.0: the longest

@@ -644,16 +644,21 @@ VARIANTS = {
     # name: (sparse after the warm-up, index trained by the KL, top-k override)
     "msa": (True, True, None),
     "random": (True, False, None),
-    "local": (True, False, 1),
+    "local": (True, False, "forced"),  # the forced blocks only: the own block by default
     "dense": (False, True, None),
 }
 VARIANT_HELP = ("msa: KL-trained index; random: index frozen at its random initialisation; "
-                "local: own block only (top-k 1); dense: dense attention every step")
+                "local: own block only (top-k = the forced blocks, --init-blocks + --local-blocks, "
+                "1 by default); dense: dense attention every step")
 
 
 def variant_args(args: argparse.Namespace, variant: str) -> argparse.Namespace:
-    """``args`` with the variant's top-k (own block only for ``local``)."""
+    """``args`` with the variant's top-k (``local``: the forced blocks only, ``init_blocks +
+    local_blocks``: the own block by default)."""
     top_k = VARIANTS[variant][2]
+    if top_k == "forced":
+        config = msa_config(args)
+        top_k = config.init_blocks + config.local_blocks
     return argparse.Namespace(**{**vars(args), "top_k": top_k or args.top_k})
 
 
@@ -757,7 +762,8 @@ def index_heads_of(args: argparse.Namespace) -> int:
 
 
 def set_top_k(model: GPTModel, top_k: int) -> None:
-    """Change the selected blocks per query of every MSA layer (own block only: 1)."""
+    """Change the selected blocks per query of every MSA layer (the forced blocks only:
+    ``init_blocks + local_blocks``)."""
     for module in model.modules():
         if isinstance(module, MSACoreAttention):
             module.msa_config = dataclasses.replace(module.msa_config, top_k=top_k)

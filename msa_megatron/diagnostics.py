@@ -25,6 +25,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from .config import check_block_size, check_selection_budget
 from .ops.backends import get_backend, resolve_backend
 from .ops.validation import check_backend_limits
 from .layout import query_layout
@@ -113,13 +114,17 @@ def selection_recall(
         ceiling ``best_recall`` (same teacher, best selection under the same rules).
 
     Raises:
-        ValueError: ``rows`` not 1-D integer or out of ``[0, T)``; meta tensors (a recall is
+        ValueError: ``rows`` not 1-D integer or out of ``[0, T)``; ``block_size`` not positive,
+            ``local_blocks < 1`` or ``top_k < init_blocks + local_blocks`` (MSA_SPEC 2.3, as the
+            layer checks them); meta tensors (a recall is
             a value: they have none); a backend that cannot run these inputs (e.g. triton: CPU tensors without the interpreter, an unsupported
             index head dim or block size), the same check as the layer's forward.
         TypeError: a dtype the backend does not run.
     """
     T, Hq, D = q.shape
     Hkv, Hi = k.shape[1], q_idx.shape[1]
+    check_block_size(block_size)
+    check_selection_budget(top_k, init_blocks, local_blocks)
     meta = [name for name, t in (("q", q), ("k", k), ("q_idx", q_idx), ("k_idx", k_idx),
                                  ("rows", rows)) if t.is_meta]
     if meta:

@@ -373,7 +373,8 @@ class MSAMetricsLog:
         for label, value in values.items():
             text = f" {label}: {value:.6E} |"
             if (label.startswith("msa recall") and self.last_recall_iteration is not None
-                    and self.last_recall_iteration != iteration and label == "msa recall"):
+                    and self.last_recall_iteration != iteration
+                    and label in ("msa recall", "msa recall_best")):
                 text = f" {label}: {value:.6E} (iteration {self.last_recall_iteration + 1}) |"
             parts.append(text)
         return "".join(parts)

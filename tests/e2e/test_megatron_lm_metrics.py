@@ -42,7 +42,8 @@ def _run(log: "setup.MSAMetricsLog", iterations: int, micro_batches: int, measur
             gathers.append(iteration)
             out = {"msa/kl": 0.5, "msa/kl/layer_01": 0.4, "msa/kl/layer_02": 0.6}
             if probed:
-                out.update({"msa/recall": measured[iteration], "msa/recall/layer_01": 0.1})
+                out.update({"msa/recall": measured[iteration], "msa/recall/layer_01": 0.1,
+                            "msa/recall_best": 0.95})
             return out
 
         values = log.after_step(iteration, gather, "sparse", 0.25)
@@ -62,6 +63,9 @@ def test_gathers_only_on_log_iterations_and_keeps_recall():
     assert lines[3][0]["msa recall"] == 0.9
     assert lines[5][0]["msa recall"] == 0.9  # the last measurement, not averaged with zeros
     assert "(iteration 4)" in lines[5][1]
+    # the ceiling is kept and labelled like the recall
+    assert lines[5][0]["msa recall_best"] == 0.95
+    assert lines[5][1].count("(iteration 4)") == 2
     assert lines[7][0]["msa recall"] == 0.8 and "(iteration" not in lines[7][1]
     values, text = lines[5]
     assert values["msa kl layer_02"] == 0.6 and values["msa blocks"] == 0.25

@@ -300,3 +300,15 @@ def test_quick_retrieval_sizes_fit_and_explicit_flags_win(tiny):
     full = tiny.parse_args(["--device", "cpu", "--task", "retrieval", "--seq-len", "8192"])
     assert (full.pairs, full.queries, full.key_vocab, full.min_distance) == (64, 32, 256, 1024)
     assert tiny.parse_args(["--device", "cpu", "--quick"]).pairs is None
+
+
+@pytest.mark.parametrize("extra,forced", [([], 1), (["--init-blocks", "1"], 2),
+                                          (["--init-blocks", "1", "--local-blocks", "2"], 3)])
+def test_local_variant_keeps_the_forced_blocks(tiny, extra, forced):
+    """``local`` selects the forced blocks only: with a sink or more local blocks its top-k is
+    theirs (a top-k of 1 below them made MSAConfig refuse after the warm-up had trained)."""
+    args = tiny.parse_args(["--top-k", "4", *extra])
+    assert tiny.variant_args(args, "local").top_k == forced
+    assert tiny.variant_args(args, "msa").top_k == 4
+    config = tiny.msa_config(tiny.variant_args(args, "local"))  # accepted by MSAConfig
+    assert config.top_k == config.init_blocks + config.local_blocks == forced

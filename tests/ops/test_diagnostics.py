@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -122,6 +123,19 @@ def test_best_recall_is_the_best_allowed_selection(lengths, top_k, init_blocks, 
         assert float((sample.best_recall - sample.recall).max()) > 1e-3
     else:  # the forced blocks fill the budget: every selection is the best one
         torch.testing.assert_close(sample.recall, sample.best_recall)
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(block_size=0, top_k=2), "block_size"),
+    (dict(block_size=16, top_k=0), "top_k (0) must be >= init_blocks + local_blocks"),
+    (dict(block_size=16, top_k=1, init_blocks=1), "top_k (1) must be >= init_blocks"),
+    (dict(block_size=16, top_k=2, local_blocks=0), "local_blocks must be >= 1"),
+])
+def test_recall_rejects_a_selection_the_layer_would_refuse(options, message):
+    inp = make_inputs((40,), requires_grad=False)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        selection_recall(inp["q"], inp["k"], inp["q_idx"], inp["k_idx"], torch.arange(4),
+                         inp["cu_seqlens"], backend="torch", **options)
 
 
 def test_recall_rejects_bad_rows():

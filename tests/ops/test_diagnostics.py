@@ -18,25 +18,28 @@ from msa_megatron.reference import select_blocks_reference
 from tests.support.inputs import make_inputs
 
 
-def _recall_oracle(inp, rows, block_size, top_k, backend_sel):
-    """Per (row, index head): dense softmax per query head over the whole causal prefix of its
-    sequence, averaged over the index head's query heads, summed over the selected blocks."""
+def _teachers(inp, rows):
+    """(row number r, position p in its sequence, index head i, teacher [p + 1] float64) for
+    each sampled row and index head: the dense causal softmax of each query head over its
+    sequence's prefix, averaged over the index head's query heads."""
     q, k, cu = inp["q"].double(), inp["k"].double(), inp["cu_seqlens"].tolist()
     Hq, Hkv, Hi, D = q.shape[1], k.shape[1], inp["q_idx"].shape[1], q.shape[2]
-    out = torch.zeros(len(rows), Hi, dtype=torch.float64)
     for r, t in enumerate(rows.tolist()):
         seq = max(i for i in range(len(cu) - 1) if cu[i] <= t < cu[i + 1])
         start, p = cu[seq], t - cu[seq]
         for i in range(Hi):
             heads = range(i * Hq // Hi, (i + 1) * Hq // Hi)
-            mass = 0.0
-            for h in heads:
-                g = h // (Hq // Hkv)
-                logits = (k[start:t + 1, g] @ q[t, h]) * D ** -0.5
-                probs = torch.softmax(logits, 0)
-                chosen = {b for b in backend_sel[t, i].tolist() if b >= 0}
-                mass += sum(float(probs[u]) for u in range(p + 1) if u // block_size in chosen)
-            out[r, i] = mass / len(heads)
+            teacher = sum(torch.softmax((k[start:t + 1, h // (Hq // Hkv)] @ q[t, h]) * D ** -0.5, 0)
+                          for h in heads)
+            yield r, p, i, teacher / len(heads)
+
+
+def _recall_oracle(inp, rows, block_size, top_k, backend_sel):
+    """Per (row, index head): the teacher's mass over the selected blocks."""
+    out = torch.zeros(len(rows), inp["q_idx"].shape[1], dtype=torch.float64)
+    for r, p, i, teacher in _teachers(inp, rows):
+        chosen = {b for b in backend_sel[rows[r], i].tolist() if b >= 0}
+        out[r, i] = sum(float(teacher[u]) for u in range(p + 1) if u // block_size in chosen)
     return out
 
 
@@ -77,28 +80,16 @@ def test_recall_is_one_when_every_block_is_selected(seed):
 def _best_oracle(inp, rows, block_size, top_k, init_blocks, local_blocks):
     """Per (row, index head): the largest teacher mass over every selection the spec allows
     (the forced blocks and any ``top_k - #forced`` other eligible blocks), by enumeration."""
-    q, k, cu = inp["q"].double(), inp["k"].double(), inp["cu_seqlens"].tolist()
-    Hq, Hkv, Hi, D = q.shape[1], k.shape[1], inp["q_idx"].shape[1], q.shape[2]
-    out = torch.zeros(len(rows), Hi, dtype=torch.float64)
-    for r, t in enumerate(rows.tolist()):
-        seq = max(i for i in range(len(cu) - 1) if cu[i] <= t < cu[i + 1])
-        start, p = cu[seq], t - cu[seq]
+    out = torch.zeros(len(rows), inp["q_idx"].shape[1], dtype=torch.float64)
+    for r, p, i, teacher in _teachers(inp, rows):
         own = p // block_size
         forced = {b for b in range(own + 1) if b < init_blocks or b > own - local_blocks}
         others = [b for b in range(own + 1) if b not in forced]
-        for i in range(Hi):
-            heads = range(i * Hq // Hi, (i + 1) * Hq // Hi)
-            teacher = torch.zeros(p + 1, dtype=torch.float64)
-            for h in heads:
-                g = h // (Hq // Hkv)
-                teacher += torch.softmax((k[start:t + 1, g] @ q[t, h]) * D ** -0.5, 0)
-            teacher /= len(heads)
-            mass = [float(teacher[b * block_size:(b + 1) * block_size].sum())
-                    for b in range(own + 1)]
-            slots = max(top_k - len(forced), 0)
-            best = max(sum(mass[b] for b in chosen)
-                       for chosen in itertools.combinations(others, min(slots, len(others))))
-            out[r, i] = sum(mass[b] for b in forced) + best
+        mass = [float(teacher[b * block_size:(b + 1) * block_size].sum()) for b in range(own + 1)]
+        slots = max(top_k - len(forced), 0)
+        best = max(sum(mass[b] for b in chosen)
+                   for chosen in itertools.combinations(others, min(slots, len(others))))
+        out[r, i] = sum(mass[b] for b in forced) + best
     return out
 
 

@@ -116,9 +116,9 @@ def selection_recall(
     Raises:
         ValueError: ``rows`` not 1-D integer or out of ``[0, T)``; ``block_size`` not positive,
             ``local_blocks < 1`` or ``top_k < init_blocks + local_blocks`` (MSA_SPEC 2.3, as the
-            layer checks them); meta tensors (a recall is
-            a value: they have none); a backend that cannot run these inputs (e.g. triton: CPU tensors without the interpreter, an unsupported
-            index head dim or block size), the same check as the layer's forward.
+            layer checks them); meta tensors (a recall is a value: they have none); a backend
+            that cannot run these inputs (e.g. triton: CPU tensors without the interpreter, an
+            unsupported index head dim or block size), the same check as the layer's forward.
         TypeError: a dtype the backend does not run.
     """
     T, Hq, D = q.shape

@@ -129,7 +129,7 @@ restore() {  # the carried pieces win; else a warm-up kept on this machine from 
 saved_step() {  # warm-up steps held by the saved warm-up (0: none); exits when unreadable
     [ -f "$SAVED" ] || { echo 0; return; }
     local step
-    step=$(python3 -c "import torch; s = torch.load('$SAVED', weights_only=True, mmap=True)
+    step=$(python3 -c "import torch; s = torch.load('$SAVED', weights_only=True, mmap=True, map_location='cpu')
 print(s.get('step', $WARMUP))" 2>/dev/null | tail -n 1)
     case "$step" in
         ''|*[!0-9]*) echo "$SAVED cannot be read: carry the pieces of one call again" >&2

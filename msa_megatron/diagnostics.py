@@ -162,7 +162,6 @@ def selection_recall(
         length = int(pos64[members].max()) + 1
         keys = k[b:b + length].float()  # [L, Hkv, D]
         u = torch.arange(length, device=q.device)
-        blk = (u // block_size)[None, None, None, :]
         per_chunk = max(1, _TEACHER_BYTES // (4 * 3 * Hq * length))
         for start in range(0, members.numel(), per_chunk):
             idx = members[start:start + per_chunk]
@@ -173,28 +172,27 @@ def selection_recall(
             logits = logits.masked_fill(~causal[:, None, :], float("-inf"))
             probs = torch.softmax(logits, dim=-1)  # [R_c, Hq, L]
             teacher = probs.view(probs.shape[0], Hi, heads_per_index, length).mean(dim=2)
-            # Selected-block membership of every key position, per index head: [R_c, Hi, L].
-            chosen = (sel[..., None] == blk).any(dim=2) & causal[:, None, :]
-            recall[idx] = (teacher * chosen).sum(dim=-1)
-            best[idx] = _best_share(teacher, p, block_size, top_k, init_blocks, local_blocks)
+            # Teacher mass per key block [R_c, Hi, nb] (zero past each row: causal softmax);
+            # the selection's blocks are distinct and unused slots are -1.
+            num_blocks = -(-length // block_size)
+            mass = torch.nn.functional.pad(teacher, (0, num_blocks * block_size - length))
+            mass = mass.view(*teacher.shape[:2], num_blocks, block_size).sum(dim=-1)
+            recall[idx] = (mass.gather(-1, sel.clamp(min=0)) * (sel >= 0)).sum(dim=-1)
+            best[idx] = _best_share(mass, p // block_size, top_k, init_blocks, local_blocks)
     return SelectionSample(rows=rows, q_pos=pos64, block_idx=block_idx, recall=recall,
                            best_recall=best)
 
 
-def _best_share(teacher: torch.Tensor, pos: torch.Tensor, block_size: int, top_k: int,
-                init_blocks: int, local_blocks: int) -> torch.Tensor:
+def _best_share(mass: torch.Tensor, own_block: torch.Tensor, top_k: int, init_blocks: int,
+                local_blocks: int) -> torch.Tensor:
     """Teacher mass ``[R, Hi]`` held by the best selection MSA_SPEC 2.3-2.4 allows.
 
-    ``teacher [R, Hi, L]`` (zero after each row's position ``pos [R]``) is summed per block; the
-    forced blocks (first ``init_blocks``, last ``local_blocks`` up to the own block) count
-    whole, then the ``top_k - #forced`` other eligible blocks of largest mass. A row with at
-    most ``top_k`` eligible blocks selects them all (1.0 up to rounding)."""
-    rows, heads, length = teacher.shape
-    num_blocks = -(-length // block_size)
-    padded = torch.nn.functional.pad(teacher, (0, num_blocks * block_size - length))
-    mass = padded.view(rows, heads, num_blocks, block_size).sum(dim=-1)  # [R, Hi, nb]
-    b = torch.arange(num_blocks, device=teacher.device)[None, :]
-    own = (pos // block_size)[:, None]
+    ``mass [R, Hi, nb]``: the teacher's mass per block (zero after each row's own block
+    ``own_block [R]``). The forced blocks (first ``init_blocks``, last ``local_blocks`` up to the
+    own block) count whole, then the ``top_k - #forced`` other eligible blocks of largest mass.
+    A row with at most ``top_k`` eligible blocks selects them all (1.0 up to rounding)."""
+    b = torch.arange(mass.shape[-1], device=mass.device)[None, :]
+    own = own_block[:, None]
     eligible = b <= own  # [R, nb]
     forced = eligible & ((b < init_blocks) | (b > own - local_blocks))
     held = (mass * forced[:, None, :]).sum(dim=-1)

@@ -372,9 +372,8 @@ class MSAMetricsLog:
         parts = [f"msa-megatron | iteration {iteration + 1:8d} |"]
         for label, value in values.items():
             text = f" {label}: {value:.6E} |"
-            if (label.startswith("msa recall") and self.last_recall_iteration is not None
-                    and self.last_recall_iteration != iteration
-                    and label in ("msa recall", "msa recall_best")):
+            if (label in ("msa recall", "msa recall_best")
+                    and self.last_recall_iteration not in (None, iteration)):
                 text = f" {label}: {value:.6E} (iteration {self.last_recall_iteration + 1}) |"
             parts.append(text)
         return "".join(parts)

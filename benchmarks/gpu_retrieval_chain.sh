@@ -81,6 +81,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 . benchmarks/gpu_env.sh
 LEN_TASK=${LEN_TASK:-8192}; WINDOW=${WINDOW:-16384}; WARMUP=${WARMUP:-9000}
 STEPS=${STEPS:-$((WARMUP + 400))}; TOPK=${TOPK:-8}; WARMUP_S=${WARMUP_S:-470}
+FINISH_S=${FINISH_S:-300}; LANE_S=${LANE_S:-240}
 NAME=r$LEN_TASK${TAG:-}; R=runs/$NAME
 if [ -n "${INIT:-}" ] && [ "$INIT" = "$NAME" ]; then
     echo "gpu_retrieval_chain.sh: INIT=$INIT is this run's own warm-up: name another" >&2
@@ -195,8 +196,8 @@ fi
 
 done_steps=$(saved_step) || exit 1
 if [ "$done_steps" -lt "$WARMUP" ]; then
-    echo "warm-up at step $done_steps of $WARMUP: finishing it (at most ${FINISH_S:-300} s)"
-    link "${FINISH_S:-300}"
+    echo "warm-up at step $done_steps of $WARMUP: finishing it (at most $FINISH_S s)"
+    link "$FINISH_S"
     done_steps=$(saved_step) || exit 1
 fi
 if [ "$done_steps" -lt "$WARMUP" ]; then
@@ -210,7 +211,7 @@ visible=(${CUDA_VISIBLE_DEVICES:+${CUDA_VISIBLE_DEVICES//,/ }})
 for run in msa random local dense; do
     port=$((port + 1)); gpu=$((i % gpus)); i=$((i + 1))
     [ ${#visible[@]} -gt 0 ] && gpu=${visible[$gpu]}
-    CUDA_VISIBLE_DEVICES=$gpu MASTER_PORT=$port timeout "${LANE_S:-240}" python3 \
+    CUDA_VISIBLE_DEVICES=$gpu MASTER_PORT=$port timeout "$LANE_S" python3 \
         examples/pretrain_tiny.py $RECIPE --runs "$run" --load-warmup "$R/warmup" \
         --out-dir "$R/$run" > "$R/$run.log" 2>&1 &
     pids+=($!)

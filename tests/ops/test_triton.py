@@ -427,6 +427,7 @@ def _sparse_kl_many_tiles(monkeypatch, dtype):
     monkeypatch.setattr(_common, "PARTIAL_MIN_BYTES", 40000)  # of ~121 KB of partials
     monkeypatch.setattr(kl_loss, "KEY_SUBTILE", 16)
     monkeypatch.setattr(kl_loss, "KL_ROWS", 16)
+    monkeypatch.setattr(kl_loss, "PASS_B_ROWS", 16)
     q, k, v, q_pos, q_kbase = _attention_inputs([150, 3, 0, 70], 8, 2, 2, 16, dtype, False)
     q_idx = _randn(q.shape[0], 2, 16, dtype=dtype)
     k_idx = _randn(k.shape[0], 1, 16, dtype=dtype)

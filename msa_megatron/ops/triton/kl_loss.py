@@ -48,6 +48,15 @@ from .reverse_index import (
 # dz = Qs - T lies in [-1, 1]; it is scaled by this power of two (exact) before being rounded to
 # fp16/bf16 for the matrix products, so small differences keep their precision in fp16.
 _DZ_SCALE = tl.constexpr(4096.0)
+_LOG2E = tl.constexpr(1.4426950408889634)
+# Sparse pass B (_kl_keys_kernel, SPARSE): pairs per row tile and warps. 64 pairs at 4 warps is
+# one warpgroup MMA and two programs fit one sm_90 multiprocessor, so one program's
+# exponentials and waits run under the other's products; 128 at 8 warps is one program per
+# multiprocessor (benchmarks/NOTES.md, "KL v10"). The persistent grid is
+# PASS_B_PER_SM programs per multiprocessor, taking items from a counter.
+PASS_B_ROWS = 64
+PASS_B_WARPS = 4
+PASS_B_PER_SM = 2
 
 
 @triton.jit
@@ -62,27 +71,40 @@ def _kl_tile(kt, kit, krow, kmask, t, i, valid, q_ptr, lse_ptr, qi_ptr, lsez_ptr
     each (the only products at query-head size); the student and both gradient products run
     at one row per pair. ``kl`` is per row, summed over the tile; a NaN teacher is kept (it
     makes the KL NaN, as in the oracle), ``0 log 0 = 0``.
+
+    Loads are issued by hand ahead of their use (v10): the index rows, ``lse_z`` and the first
+    head's query rows and LSE at the start, and each next head's query rows and LSE before the
+    current head's product, into registers (the pipeliner would issue them after the product
+    and wait at once). The support is applied once to the head sum (never per head), in base 2
+    (``scale * log2 e`` in the one multiply).
     """
     pos = tl.load(qpos_ptr + t, mask=valid, other=-1)
     kbase = tl.load(qkb_ptr + t, mask=valid, other=0)
     t64 = t.to(tl.int64)
     d = tl.arange(0, D)
     di = tl.arange(0, DI)
-    on = support_mask(krow, kmask, kbase, pos, valid)
-    teacher = tl.zeros(on.shape, tl.float32)
     q_rows = q_ptr + (t64 * s_qt + (i * HPI).to(tl.int64) * s_qh)  # the pair's first head
     lse_rows = lse_ptr + (t64 * s_lt + i * HPI)
-    for hl in range(HPI):
-        q = tl.load(q_rows[:, None] + hl * s_qh + d[None, :], mask=valid[:, None], other=0.0)
-        lse = tl.load(lse_rows + hl, mask=valid, other=float("inf"))
-        s = mma(q, tl.trans(kt), UPCAST, IEEE) * scale - lse[:, None]
-        teacher += tl.where(on, tl.exp(s), 0.0)
-    teacher = teacher / HPI
+    q = tl.load(q_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    lse2 = tl.load(lse_rows, mask=valid, other=float("inf")) * _LOG2E
     qi = tl.load(qi_ptr + t64[:, None] * s_it + i[:, None] * s_ih + di[None, :],
                  mask=valid[:, None], other=0.0)
     lse_z = tl.load(lsez_ptr + t64 * s_zt + i, mask=valid, other=0.0)
+    scale2 = scale * _LOG2E
+    teacher = tl.zeros([q.shape[0], kt.shape[0]], tl.float32)
+    for hl in range(HPI):
+        more = valid & (hl + 1 < HPI)
+        q_next = tl.load(q_rows[:, None] + (hl + 1) * s_qh + d[None, :], mask=more[:, None],
+                         other=0.0)
+        lse2_next = tl.load(lse_rows + (hl + 1), mask=more, other=float("inf")) * _LOG2E
+        teacher += tl.exp2(mma(q, tl.trans(kt), UPCAST, IEEE) * scale2 - lse2[:, None])
+        q, lse2 = q_next, lse2_next
+    # Outside the support the head sum is finite or +inf (never NaN for finite inputs): dropped
+    # here once; a NaN there (non-finite q/k/lse) is dropped too, as the per-head mask did.
+    on = support_mask(krow, kmask, kbase, pos, valid)
+    teacher = tl.where(on, teacher * (1.0 / HPI), 0.0)
     log_qs = mma(qi, tl.trans(kit), UPCAST, IEEE) * iscale - lse_z[:, None]
-    has_t = on & (teacher != 0)
+    has_t = teacher != 0  # (0 outside the support)
     log_t = tl.log(tl.where(has_t, teacher, 1.0))
     kl = tl.sum(tl.where(has_t, teacher * (log_t - log_qs), 0.0), axis=1)
     dz = tl.where(on, tl.exp(log_qs) - teacher, 0.0) * _DZ_SCALE
@@ -185,8 +207,8 @@ def _kl_lsez_blocks_kernel(
 @triton.jit(do_not_specialize=("ci", "s_g", "sc0", "sc1", "Tq", "Tk"))
 def _kl_keys_kernel(
     q_ptr, k_ptr, lse_ptr, qi_ptr, ki_ptr, lsez_ptr, qpos_ptr, qkb_ptr, part_ptr, pkl_ptr,
-    pdqi_ptr, pair_ptr, off_ptr, starts_ptr, meta_ptr, sub_t0_ptr, grp_ptr, n_grp_ptr, full_ptr,
-    qt_lo_ptr, qt_hi_ptr, ci, s_g, sc0, sc1, Tq, Tk, scale, iscale, grad_scale,
+    pdqi_ptr, pair_ptr, off_ptr, starts_ptr, meta_ptr, sub_t0_ptr, grp_ptr, n_grp_ptr, taken_ptr,
+    full_ptr, qt_lo_ptr, qt_hi_ptr, ci, s_g, sc0, sc1, Tq, Tk, scale, iscale, grad_scale,
     s_qt, s_qh, s_kt, s_kh, s_lt, s_it, s_ih, s_jt, s_jh, s_zt, s_pu,
     HI: tl.constexpr, TOPK: tl.constexpr, HPI: tl.constexpr, ROWS: tl.constexpr,
     IPG: tl.constexpr, HPK: tl.constexpr, UNIT: tl.constexpr,
@@ -219,7 +241,12 @@ def _kl_keys_kernel(
         grp_ptr += ci.to(tl.int64) * s_g
         n_grp_ptr += ci
         f0 = tl.load(sub_t0_ptr + sc0) * (HI * TOPK)
-        for w in range(tl.program_id(0), tl.load(n_grp_ptr) * (UPG * NSUB), tl.num_programs(0)):
+        n_w = tl.load(n_grp_ptr) * (UPG * NSUB)
+        # Items from the chunk's counter (0 at launch): a program that drew short items takes
+        # more. Each item owns its index-key rows and its pairs' partial rows, so which program
+        # takes it changes no result (bitwise deterministic).
+        w = tl.atomic_add(taken_ptr + ci, 1)
+        while w < n_w:
             gb = tl.load(grp_ptr + w // (UPG * NSUB))
             ug = w // NSUB % UPG
             sub = w % NSUB
@@ -256,6 +283,7 @@ def _kl_keys_kernel(
             p_off = unit.to(tl.int64) * s_pu + k64 * DI + di[None, :]
             tl.store(part_ptr + p_off, tl.load(part_ptr + p_off, mask=out, other=0.0)
                      + dki * out_scale, mask=out)
+            w = tl.atomic_add(taken_ptr + ci, 1)
     else:
         n = tl.program_id(0)
         unit = tl.program_id(1)
@@ -370,7 +398,7 @@ def kl_loss(
         launch_both(
             _kl_keys_kernel, (triton.cdiv(Tk, ks), n_units), q, k, lse, q_idx, k_idx, lse_z,
             q_pos, q_kbase, part, part, part, q_pos, q_pos, q_pos,
-            q_pos, q_pos, q_pos, q_pos, full, qt_lo, qt_hi, 0, 0, 0, 0, Tq, Tk, *scales,
+            q_pos, q_pos, q_pos, q_pos, q_pos, full, qt_lo, qt_hi, 0, 0, 0, 0, Tq, Tk, *scales,
             *strides, lse_z.stride(0), part.stride(0), HI=Hi, TOPK=1, HPI=hpi, ROWS=kl_rows,
             IPG=ipg, HPK=hpk, UNIT=unit, D=D, DI=Di, BN=ks, KS=ks, SUB=SUB_CHUNKS, SPARSE=False,
             FULL=which, UPCAST=upcast, IEEE=ieee, bad_ptr=bad,
@@ -388,19 +416,22 @@ def kl_loss(
         pdqi = torch.empty((rows * Hi * top_k * nsub, Di), dtype=torch.float32, device=dev)
         step = SUB_CHUNKS // chunks
         groups, n_groups = chunk_groups(rev, chunks)
+        taken = torch.zeros(chunks, dtype=torch.int32, device=dev)  # item counters per chunk
+        b_rows = tile_rows(PASS_B_ROWS, q.dtype)
+        b_warps = PASS_B_WARPS if q.dtype.itemsize <= 2 else warps_for(b_rows)
         for ci, sc0 in enumerate(range(0, SUB_CHUNKS, step)):
             if sc0:
                 pkl.zero_()
             launch_both(
-                _kl_keys_kernel, (persistent_programs(dev, n_units * Tk * nsub),), q, k, lse,
+                _kl_keys_kernel,
+                (persistent_programs(dev, n_units * Tk * nsub, PASS_B_PER_SM),), q, k, lse,
                 q_idx, k_idx, lse_z, q_pos, q_kbase, part, pkl, pdqi, rev.pair,
-                rev.off, rev.starts, rev.meta, rev.sub_t0, groups, n_groups, rev.full, q_pos,
-                q_pos, ci, groups.stride(0), sc0, sc0 + step,
+                rev.off, rev.starts, rev.meta, rev.sub_t0, groups, n_groups, taken, rev.full,
+                q_pos, q_pos, ci, groups.stride(0), sc0, sc0 + step,
                 Tq, Tk, *scales, *strides, lse_z.stride(0), part.stride(0),
-                HI=Hi, TOPK=top_k, HPI=hpi, ROWS=kl_rows, IPG=ipg, HPK=hpk, UNIT=unit,
+                HI=Hi, TOPK=top_k, HPI=hpi, ROWS=b_rows, IPG=ipg, HPK=hpk, UNIT=unit,
                 D=D, DI=Di, BN=block_size, KS=ks, SUB=SUB_CHUNKS, SPARSE=True, FULL=SPARSE_ROWS,
-                UPCAST=upcast, IEEE=ieee, bad_ptr=bad,
-                num_warps=warps_for(max(kl_rows, ks)), **opts,
+                UPCAST=upcast, IEEE=ieee, bad_ptr=bad, num_warps=b_warps, **opts,
             )
             sums.append(pkl.sum())
             if compute_grad:

@@ -15,7 +15,8 @@ selected start row, key sub-tile), recomputes ``T`` and ``Qs`` for the rows that
 block, adds ``dz^T q_idx`` to an fp32 index-key gradient of its rows (one partial per unit,
 summed in a fixed order) and writes per-pair partials of the KL value and of ``dq_idx``.
 Pass B visits only the (KV group, start row) numbers with pairs in the chunk
-(:func:`.reverse_index.chunk_groups`). Dense mode: a query-outer rows kernel (``lse_z``, KL,
+(:func:`.reverse_index.chunk_groups`), taken from a per-chunk counter by ``PASS_B_PER_SM``
+programs per multiprocessor, row tiles of ``PASS_B_ROWS`` pairs. Dense mode: a query-outer rows kernel (``lse_z``, KL,
 ``dq_idx``) and a key-tile-outer kernel (``dk_idx``).
 
 A row tile holds one row per (token, index head) pair: the teacher is summed over the index
@@ -219,7 +220,8 @@ def _kl_keys_kernel(
     """Index-key gradient of key rows, one fp32 partial per unit (``part [units, Tk, DI]``);
     row tiles hold ``ROWS`` (token, index head) pairs, one row each (:func:`_kl_tile`).
 
-    Sparse (pass B): persistent over (unit x start row, key sub-tile) for the pairs of
+    Sparse (pass B): persistent over (unit x start row, key sub-tile) items, taken from the
+    counter ``taken_ptr[ci]`` (0 at launch), for the pairs of
     sub-chunks ``sc0 .. sc1 - 1``, visiting only the ``n_grp_ptr[ci]`` (KV group x start row)
     numbers listed in row ``ci`` of ``grp_ptr`` (row stride ``s_g``; those with pairs in these
     sub-chunks, :func:`.reverse_index.chunk_groups`; whole tensors and ``do_not_specialize``

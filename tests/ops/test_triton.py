@@ -349,6 +349,7 @@ def test_chunks_and_key_subtiles_match_reference(monkeypatch):
     monkeypatch.setattr(_common, "PARTIAL_QS", 0)  # every consumer splits into 16 chunks
     monkeypatch.setattr(_common, "PARTIAL_MIN_BYTES", 1)
     monkeypatch.setattr(kl_loss, "KEY_SUBTILE", 16)
+    monkeypatch.setattr(kl_loss, "PASS_B_KEYS", 16)
     monkeypatch.setattr(backward, "ITEM_KEYS", 16)
     q, k, v, q_pos, q_kbase = _attention_inputs([45, 0, 30], 4, 2, 2, 16, torch.float32, False)
     q_idx = _randn(q.shape[0], 2, 16, dtype=torch.float32)
@@ -426,6 +427,7 @@ def _sparse_kl_many_tiles(monkeypatch, dtype):
     monkeypatch.setattr(_common, "PARTIAL_QS", 0)
     monkeypatch.setattr(_common, "PARTIAL_MIN_BYTES", 40000)  # of ~121 KB of partials
     monkeypatch.setattr(kl_loss, "KEY_SUBTILE", 16)
+    monkeypatch.setattr(kl_loss, "PASS_B_KEYS", 16)
     monkeypatch.setattr(kl_loss, "KL_ROWS", 16)
     monkeypatch.setattr(kl_loss, "PASS_B_ROWS", 16)
     q, k, v, q_pos, q_kbase = _attention_inputs([150, 3, 0, 70], 8, 2, 2, 16, dtype, False)

@@ -15,9 +15,9 @@ selected start row, key sub-tile), recomputes ``T`` and ``Qs`` for the rows that
 block, adds ``dz^T q_idx`` to an fp32 index-key gradient of its rows (one partial per unit,
 summed in a fixed order) and writes per-pair partials of the KL value and of ``dq_idx``.
 Pass B visits only the (KV group, start row) numbers with pairs in the chunk
-(:func:`.reverse_index.chunk_groups`), taken from a per-chunk counter by ``PASS_B_PER_SM``
-programs per multiprocessor, row tiles of ``PASS_B_ROWS`` pairs. Dense mode: a query-outer rows kernel (``lse_z``, KL,
-``dq_idx``) and a key-tile-outer kernel (``dk_idx``).
+(:func:`.reverse_index.chunk_groups`), taken from a per-chunk counter, row tiles of
+``PASS_B_ROWS`` pairs against ``PASS_B_KEYS`` key rows. Dense mode: a query-outer rows kernel
+(``lse_z``, KL, ``dq_idx``) and a key-tile-outer kernel (``dk_idx``).
 
 A row tile holds one row per (token, index head) pair: the teacher is summed over the index
 head's query heads, one product per head (:func:`_kl_tile`), so the student and both gradient
@@ -50,21 +50,23 @@ from .reverse_index import (
 # fp16/bf16 for the matrix products, so small differences keep their precision in fp16.
 _DZ_SCALE = tl.constexpr(4096.0)
 _LOG2E = tl.constexpr(1.4426950408889634)
-# Sparse pass B (_kl_keys_kernel, SPARSE): pairs per row tile and warps. 64 pairs at 4 warps is
-# one warpgroup MMA and two programs fit one sm_90 multiprocessor, so one program's
-# exponentials and waits run under the other's products; 128 at 8 warps is one program per
-# multiprocessor (benchmarks/NOTES.md, "KL v10"). The persistent grid is
-# PASS_B_PER_SM programs per multiprocessor, taking items from a counter.
+# Sparse pass B (_kl_keys_kernel, SPARSE): pairs per row tile, key rows per item (a selected
+# block is split in sub-tiles of this many rows) and warps. 64 pairs x 64 keys at 4 warps is one
+# warpgroup MMA and two programs fit one sm_90 multiprocessor, so one program's exponentials
+# and waits run under the other's products; 64 pairs x 128 keys at 8 warps is one program per
+# multiprocessor that gathers each pair's query rows once per block instead of twice (half the
+# query bytes through L2, half the per-pair partials). benchmarks/NOTES.md, "KL v10". The
+# persistent grid is 8 // PASS_B_WARPS programs per multiprocessor, taking items from a counter.
 PASS_B_ROWS = 64
+PASS_B_KEYS = 64
 PASS_B_WARPS = 4
-PASS_B_PER_SM = 2
 
 
 @triton.jit
 def _kl_tile(kt, kit, krow, kmask, t, i, valid, q_ptr, lse_ptr, qi_ptr, lsez_ptr, qpos_ptr,
              qkb_ptr, s_qt, s_qh, s_lt, s_it, s_ih, s_zt, scale, iscale,
              HPI: tl.constexpr, D: tl.constexpr, DI: tl.constexpr, UPCAST: tl.constexpr,
-             IEEE: tl.constexpr):
+             IEEE: tl.constexpr, AHEAD: tl.constexpr = True):
     """Rows (token ``t``, index head ``i``), one per pair, against one key tile:
     ``(dz * _DZ_SCALE, kl, q_idx rows, on, reach)``; ``on [R, N]`` is the support.
 
@@ -76,7 +78,9 @@ def _kl_tile(kt, kit, krow, kmask, t, i, valid, q_ptr, lse_ptr, qi_ptr, lsez_ptr
     Loads are issued by hand ahead of their use (v10): the index rows, ``lse_z`` and the first
     head's query rows and LSE at the start, and each next head's query rows and LSE before the
     current head's product, into registers (the pipeliner would issue them after the product
-    and wait at once). The support is applied once to the head sum (never per head), in base 2
+    and wait at once). ``AHEAD=False`` leaves the head loop's loads to the pipeliner (shared
+    memory instead of registers: the query-outer rows kernel, which holds a ``[R, DI]``
+    gradient accumulator and the index rows across its key loop, spills less). The support is applied once to the head sum (never per head), in base 2
     (``scale * log2 e`` in the one multiply).
     """
     pos = tl.load(qpos_ptr + t, mask=valid, other=-1)
@@ -86,20 +90,26 @@ def _kl_tile(kt, kit, krow, kmask, t, i, valid, q_ptr, lse_ptr, qi_ptr, lsez_ptr
     di = tl.arange(0, DI)
     q_rows = q_ptr + (t64 * s_qt + (i * HPI).to(tl.int64) * s_qh)  # the pair's first head
     lse_rows = lse_ptr + (t64 * s_lt + i * HPI)
-    q = tl.load(q_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-    lse2 = tl.load(lse_rows, mask=valid, other=float("inf")) * _LOG2E
     qi = tl.load(qi_ptr + t64[:, None] * s_it + i[:, None] * s_ih + di[None, :],
                  mask=valid[:, None], other=0.0)
     lse_z = tl.load(lsez_ptr + t64 * s_zt + i, mask=valid, other=0.0)
     scale2 = scale * _LOG2E
-    teacher = tl.zeros([q.shape[0], kt.shape[0]], tl.float32)
-    for hl in range(HPI):
-        more = valid & (hl + 1 < HPI)
-        q_next = tl.load(q_rows[:, None] + (hl + 1) * s_qh + d[None, :], mask=more[:, None],
-                         other=0.0)
-        lse2_next = tl.load(lse_rows + (hl + 1), mask=more, other=float("inf")) * _LOG2E
-        teacher += tl.exp2(mma(q, tl.trans(kt), UPCAST, IEEE) * scale2 - lse2[:, None])
-        q, lse2 = q_next, lse2_next
+    teacher = tl.zeros([t.shape[0], kt.shape[0]], tl.float32)
+    if AHEAD:
+        q = tl.load(q_rows[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        lse2 = tl.load(lse_rows, mask=valid, other=float("inf")) * _LOG2E
+        for hl in range(HPI):
+            more = valid & (hl + 1 < HPI)
+            q_next = tl.load(q_rows[:, None] + (hl + 1) * s_qh + d[None, :],
+                             mask=more[:, None], other=0.0)
+            lse2_next = tl.load(lse_rows + (hl + 1), mask=more, other=float("inf")) * _LOG2E
+            teacher += tl.exp2(mma(q, tl.trans(kt), UPCAST, IEEE) * scale2 - lse2[:, None])
+            q, lse2 = q_next, lse2_next
+    else:
+        for hl in range(HPI):
+            q = tl.load(q_rows[:, None] + hl * s_qh + d[None, :], mask=valid[:, None], other=0.0)
+            lse2 = tl.load(lse_rows + hl, mask=valid, other=float("inf")) * _LOG2E
+            teacher += tl.exp2(mma(q, tl.trans(kt), UPCAST, IEEE) * scale2 - lse2[:, None])
     # Outside the support the head sum is finite or +inf (never NaN for finite inputs): dropped
     # here once; a NaN there (non-finite q/k/lse) is dropped too, as the per-head mask did.
     on = support_mask(krow, kmask, kbase, pos, valid)
@@ -158,7 +168,7 @@ def _kl_rows_dense_kernel(
         dz, kl_tile, _qi, on, _reach = _kl_tile(kt, kit, krow, kmask, t, ii, valid, q_ptr, lse_ptr,
                                          qi_ptr, lsez_ptr, qpos_ptr, qkb_ptr, s_qt, s_qh, s_lt,
                                          s_it, s_ih, s_zt, scale, iscale, HPI, D, DI, UPCAST,
-                                         IEEE)
+                                         IEEE, False)
         kl += kl_tile
         if GRAD:
             dqi += support_mma(dz.to(kit.dtype), kit, nonfinite(kit), on, UPCAST, IEEE, ISO)
@@ -409,7 +419,7 @@ def kl_loss(
     if rev is not None:
         if part is None:  # the value only: pass B still adds its (unused) index-key gradient
             part = torch.zeros((n_units, Tk, Di), dtype=torch.float32, device=dev)
-        ks = min(block_size, KEY_SUBTILE)
+        ks = min(block_size, PASS_B_KEYS)
         nsub = block_size // ks
         per_query = Hi * top_k * nsub * (Di + 1) * 4
         chunks = chunk_count(Tq * per_query, partial_budget(q.numel() * q.element_size()))
@@ -426,7 +436,7 @@ def kl_loss(
                 pkl.zero_()
             launch_both(
                 _kl_keys_kernel,
-                (persistent_programs(dev, n_units * Tk * nsub, PASS_B_PER_SM),), q, k, lse,
+                (persistent_programs(dev, n_units * Tk * nsub, max(1, 8 // b_warps)),), q, k, lse,
                 q_idx, k_idx, lse_z, q_pos, q_kbase, part, pkl, pdqi, rev.pair,
                 rev.off, rev.starts, rev.meta, rev.sub_t0, groups, n_groups, taken, rev.full,
                 q_pos, q_pos, ci, groups.stride(0), sc0, sc0 + step,

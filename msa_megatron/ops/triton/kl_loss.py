@@ -60,6 +60,8 @@ _LOG2E = tl.constexpr(1.4426950408889634)
 PASS_B_ROWS = 64
 PASS_B_KEYS = 64
 PASS_B_WARPS = 4
+# Pass B launched once per sub-chunk of tokens (True) or once per chunk of partials (False).
+PASS_B_PER_SUB = True
 
 
 @triton.jit
@@ -215,11 +217,11 @@ def _kl_lsez_blocks_kernel(
             tl.store(plz_ptr + flat, log_sum_exp(m, l), mask=valid)
 
 
-@triton.jit(do_not_specialize=("ci", "s_g", "sc0", "sc1", "Tq", "Tk"))
+@triton.jit(do_not_specialize=("ci", "s_g", "fc", "sc0", "sc1", "Tq", "Tk"))
 def _kl_keys_kernel(
     q_ptr, k_ptr, lse_ptr, qi_ptr, ki_ptr, lsez_ptr, qpos_ptr, qkb_ptr, part_ptr, pkl_ptr,
     pdqi_ptr, pair_ptr, off_ptr, starts_ptr, meta_ptr, sub_t0_ptr, grp_ptr, n_grp_ptr, taken_ptr,
-    full_ptr, qt_lo_ptr, qt_hi_ptr, ci, s_g, sc0, sc1, Tq, Tk, scale, iscale, grad_scale,
+    full_ptr, qt_lo_ptr, qt_hi_ptr, ci, s_g, fc, sc0, sc1, Tq, Tk, scale, iscale, grad_scale,
     s_qt, s_qh, s_kt, s_kh, s_lt, s_it, s_ih, s_jt, s_jh, s_zt, s_pu,
     HI: tl.constexpr, TOPK: tl.constexpr, HPI: tl.constexpr, ROWS: tl.constexpr,
     IPG: tl.constexpr, HPK: tl.constexpr, UNIT: tl.constexpr,
@@ -237,7 +239,8 @@ def _kl_keys_kernel(
     sub-chunks, :func:`.reverse_index.chunk_groups`; whole tensors and ``do_not_specialize``
     on the chunk's ints: one compile for every chunk); adds to ``part`` (chunks run one after
     the other) and writes per-pair partials of the KL (``pkl``) and of ``dq_idx`` (``pdqi``, rows
-    ``flat * NSUB + sub``, relative to the chunk). Dense: one program per key tile and unit,
+    ``flat * NSUB + sub``, relative to the chunk's first pair, that of sub-chunk ``fc``: a chunk
+    of partials may be walked by one launch per sub-chunk). Dense: one program per key tile and unit,
     over the query tiles that can see the tile (rows filtered by ``FULL``); writes ``part``.
     """
     if skip(bad_ptr, ISO):
@@ -252,7 +255,7 @@ def _kl_keys_kernel(
     if SPARSE:
         grp_ptr += ci.to(tl.int64) * s_g
         n_grp_ptr += ci
-        f0 = tl.load(sub_t0_ptr + sc0) * (HI * TOPK)
+        f0 = tl.load(sub_t0_ptr + fc) * (HI * TOPK)  # the chunk's first pair
         n_w = tl.load(n_grp_ptr) * (UPG * NSUB)
         # Items from the chunk's counter (0 at launch): a program that drew short items takes
         # more. Each item owns its index-key rows and its pairs' partial rows, so which program
@@ -410,7 +413,7 @@ def kl_loss(
         launch_both(
             _kl_keys_kernel, (triton.cdiv(Tk, ks), n_units), q, k, lse, q_idx, k_idx, lse_z,
             q_pos, q_kbase, part, part, part, q_pos, q_pos, q_pos,
-            q_pos, q_pos, q_pos, q_pos, q_pos, full, qt_lo, qt_hi, 0, 0, 0, 0, Tq, Tk, *scales,
+            q_pos, q_pos, q_pos, q_pos, q_pos, full, qt_lo, qt_hi, 0, 0, 0, 0, 0, Tq, Tk, *scales,
             *strides, lse_z.stride(0), part.stride(0), HI=Hi, TOPK=1, HPI=hpi, ROWS=kl_rows,
             IPG=ipg, HPK=hpk, UNIT=unit, D=D, DI=Di, BN=ks, KS=ks, SUB=SUB_CHUNKS, SPARSE=False,
             FULL=which, UPCAST=upcast, IEEE=ieee, bad_ptr=bad,
@@ -427,24 +430,32 @@ def kl_loss(
         pkl = torch.zeros(rows * Hi * top_k * nsub, dtype=torch.float32, device=dev)
         pdqi = torch.empty((rows * Hi * top_k * nsub, Di), dtype=torch.float32, device=dev)
         step = SUB_CHUNKS // chunks
-        groups, n_groups = chunk_groups(rev, chunks)
-        taken = torch.zeros(chunks, dtype=torch.int32, device=dev)  # item counters per chunk
+        # One launch per sub-chunk (PASS_B_PER_SUB): the query rows a launch gathers are those
+        # of one sub-chunk's tokens (32K: 34 MB at the paper heads, inside the 50 MB L2) instead
+        # of a whole chunk's; partials stay per chunk.
+        per_sub = PASS_B_PER_SUB and step > 1
+        lists = SUB_CHUNKS if per_sub else chunks
+        groups, n_groups = chunk_groups(rev, lists)
+        taken = torch.zeros(lists, dtype=torch.int32, device=dev)  # item counters per launch
         b_rows = tile_rows(PASS_B_ROWS, q.dtype)
         b_warps = PASS_B_WARPS if q.dtype.itemsize <= 2 else warps_for(b_rows)
         for ci, sc0 in enumerate(range(0, SUB_CHUNKS, step)):
             if sc0:
                 pkl.zero_()
-            launch_both(
-                _kl_keys_kernel,
-                (persistent_programs(dev, n_units * Tk * nsub, max(1, 8 // b_warps)),), q, k, lse,
-                q_idx, k_idx, lse_z, q_pos, q_kbase, part, pkl, pdqi, rev.pair,
-                rev.off, rev.starts, rev.meta, rev.sub_t0, groups, n_groups, taken, rev.full,
-                q_pos, q_pos, ci, groups.stride(0), sc0, sc0 + step,
-                Tq, Tk, *scales, *strides, lse_z.stride(0), part.stride(0),
-                HI=Hi, TOPK=top_k, HPI=hpi, ROWS=b_rows, IPG=ipg, HPK=hpk, UNIT=unit,
-                D=D, DI=Di, BN=block_size, KS=ks, SUB=SUB_CHUNKS, SPARSE=True, FULL=SPARSE_ROWS,
-                UPCAST=upcast, IEEE=ieee, bad_ptr=bad, num_warps=b_warps, **opts,
-            )
+            for a in range(sc0, sc0 + step, 1 if per_sub else step):
+                b = a + 1 if per_sub else a + step
+                launch_both(
+                    _kl_keys_kernel,
+                    (persistent_programs(dev, n_units * Tk * nsub, max(1, 8 // b_warps)),), q, k,
+                    lse, q_idx, k_idx, lse_z, q_pos, q_kbase, part, pkl, pdqi, rev.pair,
+                    rev.off, rev.starts, rev.meta, rev.sub_t0, groups, n_groups, taken, rev.full,
+                    q_pos, q_pos, a if per_sub else ci, groups.stride(0), sc0, a, b,
+                    Tq, Tk, *scales, *strides, lse_z.stride(0), part.stride(0),
+                    HI=Hi, TOPK=top_k, HPI=hpi, ROWS=b_rows, IPG=ipg, HPK=hpk, UNIT=unit,
+                    D=D, DI=Di, BN=block_size, KS=ks, SUB=SUB_CHUNKS, SPARSE=True,
+                    FULL=SPARSE_ROWS, UPCAST=upcast, IEEE=ieee, bad_ptr=bad, num_warps=b_warps,
+                    **opts,
+                )
             sums.append(pkl.sum())
             if compute_grad:
                 sum_partials_kernel[(triton.cdiv(rows, GATHER_ROWS), Hi)](

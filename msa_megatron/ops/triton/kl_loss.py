@@ -82,8 +82,9 @@ def _kl_tile(kt, kit, krow, kmask, t, i, valid, q_ptr, lse_ptr, qi_ptr, lsez_ptr
     current head's product, into registers (the pipeliner would issue them after the product
     and wait at once). ``AHEAD=False`` leaves the head loop's loads to the pipeliner (shared
     memory instead of registers: the query-outer rows kernel, which holds a ``[R, DI]``
-    gradient accumulator and the index rows across its key loop, spills less). The support is applied once to the head sum (never per head), in base 2
-    (``scale * log2 e`` in the one multiply).
+    gradient accumulator and the index rows across its key loop, spills less). The support is
+    applied once to the head sum (never per head), in base 2 (``scale * log2 e`` in the one
+    multiply).
     """
     pos = tl.load(qpos_ptr + t, mask=valid, other=-1)
     kbase = tl.load(qkb_ptr + t, mask=valid, other=0)
@@ -240,8 +241,9 @@ def _kl_keys_kernel(
     on the chunk's ints: one compile for every chunk); adds to ``part`` (chunks run one after
     the other) and writes per-pair partials of the KL (``pkl``) and of ``dq_idx`` (``pdqi``, rows
     ``flat * NSUB + sub``, relative to the chunk's first pair, that of sub-chunk ``fc``: a chunk
-    of partials may be walked by one launch per sub-chunk). Dense: one program per key tile and unit,
-    over the query tiles that can see the tile (rows filtered by ``FULL``); writes ``part``.
+    of partials may be walked by one launch per sub-chunk). Dense: one program per key tile and
+    unit, over the query tiles that can see the tile (rows filtered by ``FULL``); writes
+    ``part``.
     """
     if skip(bad_ptr, ISO):
         return

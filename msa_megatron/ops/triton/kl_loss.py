@@ -60,6 +60,12 @@ _LOG2E = tl.constexpr(1.4426950408889634)
 PASS_B_ROWS = 64
 PASS_B_KEYS = 64
 PASS_B_WARPS = 4
+# Sparse pass A (_kl_lsez_blocks_kernel): pairs per row tile and warps. Its items (128 pairs)
+# are chains of dependent small loads before one product: 64-pair tiles at 4 warps let two
+# programs share a multiprocessor (one 8-warp program per SM at 128 pairs), so one item's loads
+# wait under the other's work.
+PASS_A_ROWS = 64
+PASS_A_WARPS = 4
 # Pass B launched once per sub-chunk of tokens (True) or once per chunk of partials (False).
 PASS_B_PER_SUB = True
 
@@ -366,7 +372,8 @@ def kl_loss(
     upcast, ieee = dot_flags(q.dtype)
     opts = stage_options(q.dtype)
     # Row tiles of (token, index head) pairs, one row each (the teacher loops over the query
-    # heads): KL_ROWS in passes A and B and the dense key kernel, DENSE_ROWS query-outer.
+    # heads): PASS_A_ROWS / PASS_B_ROWS in the sparse passes, KL_ROWS in the dense key kernel,
+    # DENSE_ROWS query-outer.
     kl_rows = tile_rows(KL_ROWS, q.dtype)
     scales = (float(softmax_scale), float(index_scale), float(kl_scale))
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0),
@@ -380,13 +387,14 @@ def kl_loss(
         top_k = block_idx.shape[2]
         rev = build_reverse_index(block_idx, q_pos, q_kbase, Tk, block_size, Hkv)
         # Sparse pass A: the student's log-normaliser of the rows in the index.
+        a_rows = tile_rows(PASS_A_ROWS, q.dtype)
         lse_z_part = torch.full((Tq, Hi, top_k), float("-inf"), dtype=torch.float32, device=dev)
         _kl_lsez_blocks_kernel[(persistent_programs(dev, rev.max_items),)](
             q_idx, k_idx, q_pos, q_kbase, lse_z_part, rev.pair, rev.item_cell, rev.cell_start,
             rev.off, rev.sub_item, rev.starts, rev.meta, Tk, rev.max_buckets, scales[1],
             *strides[5:], HI=Hi, TOPK=top_k, IPG=ipg, HPK=hpk, DI=Di, BN=block_size,
-            ROWS=kl_rows, SUB=SUB_CHUNKS, ITEM=rev.item_pairs, UPCAST=upcast, IEEE=ieee,
-            num_warps=warps_for(kl_rows), **opts,
+            ROWS=a_rows, SUB=SUB_CHUNKS, ITEM=rev.item_pairs, UPCAST=upcast, IEEE=ieee,
+            num_warps=PASS_A_WARPS if q.dtype.itemsize <= 2 else warps_for(a_rows), **opts,
         )
         torch.logsumexp(lse_z_part, dim=2, out=lse_z)
         del lse_z_part

@@ -38,10 +38,9 @@ as one row's is. A NaN/Inf ``dq_idx`` entry cannot be held in fixed point: its r
 there and the row receives NaN by a float atomic add (only NaN is added, by the tiles that hold
 one: deterministic).
 
-Tile sizes: ``MSA_DENSE_KL_TILES="BM,BN,warps,stages"`` (default ``64,128,8,2``: every key tile
-re-reads the query rows of all heads of the query tiles that see it, so the query bytes through
-L2 scale with ``1 / BN``; sm_90 resources of the candidates in benchmarks/NOTES.md, "KL v10");
-key tiles are dealt in order, the earliest (with the most query tiles) first.
+Tile sizes: ``MSA_DENSE_KL_TILES="BM,BN,warps,stages"`` (default ``128,64,8,2``; sm_90 resources
+of the candidates in benchmarks/NOTES.md); key tiles are dealt in order, the earliest (with the
+most query tiles) first.
 """
 
 from __future__ import annotations
@@ -59,7 +58,7 @@ from ._common import (
 from ._isolation import launch_both, log_sum_exp, nonfinite, nonfinite_flag, skip, support_mma
 
 TILES_ENV = "MSA_DENSE_KL_TILES"
-_DEFAULT_TILES = (64, 128, 8, 2)
+_DEFAULT_TILES = (128, 64, 8, 2)
 # dq_idx fixed point: two signed 32-bit fields per int64 (columns 2c and 2c + 1), one unit is
 # bound / _FIELD_RANGE with bound the power of two at or above the index key head's largest
 # finite |k_idx| (_head_bounds). |dq_idx| before scaling is at most sum_u |dz| max |k_idx| <=
@@ -123,9 +122,9 @@ def _nearest(x):
 
 @triton.jit(do_not_specialize=("Tq", "Tk"))
 def _dense_kl_kernel(
-    q_ptr, k_desc, qi_ptr, ki_desc, lse_ptr, lsez_ptr, qpos_ptr, qkb_ptr, mlo_ptr, mhi_ptr,
+    q_desc, k_desc, qi_desc, ki_desc, lse_ptr, lsez_ptr, qpos_ptr, qkb_ptr, mlo_ptr, mhi_ptr,
     dqunit_ptr, dqfix_ptr, dqfix_desc, dqnan_ptr, dkpart_ptr, klpart_ptr,
-    Tq, Tk, scale2, lse_shift, iscale, s_qt, s_qh, s_it, s_ih, s_lt, s_zt,
+    Tq, Tk, scale2, lse_shift, iscale, s_lt, s_zt,
     HI: tl.constexpr, HPI: tl.constexpr, IPG: tl.constexpr, HPK: tl.constexpr,
     D: tl.constexpr, DI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     GRAD: tl.constexpr, DZS: tl.constexpr, TMA_REDUCE: tl.constexpr,
@@ -134,13 +133,7 @@ def _dense_kl_kernel(
     """Key-tile-outer pass: KL partial per program, ``dk_idx`` partial per index head, packed
     fixed-point ``dq_idx`` (module docstring). ``ISO``: the isolating products (``launch_both``);
     ``TMA_REDUCE``: ``dq_idx`` added by one bulk tensor reduction per tile (GPU), else by
-    element atomics (interpreter).
-
-    The (query tile, head) walk is software-pipelined by hand: each head's query rows and LSE
-    are loaded into registers while the previous head is multiplied (the last head of a query
-    tile loads the first head of the next tile), and a tile's index rows, ``lse_z`` and support
-    limits are loaded at its start, so they arrive under its head products (v9's pipeliner
-    issued the next head's bulk copy after the product and waited at once)."""
+    element atomics (interpreter)."""
     if skip(bad_ptr, ISO):
         return
     n = tl.program_id(0)
@@ -149,8 +142,6 @@ def _dense_kl_kernel(
     j = i // HPK
     DH: tl.constexpr = DI // 2
     di = tl.arange(0, DI)
-    d = tl.arange(0, D)
-    r = tl.arange(0, BM)
     krow = n * BN + tl.arange(0, BN)
     kmask = krow < Tk
     k64 = krow.to(tl.int64)
@@ -165,44 +156,27 @@ def _dense_kl_kernel(
     dq_units = tl.load(dqunit_ptr + j)
     m_lo = tl.load(mlo_ptr + n)
     m_hi = tl.load(mhi_ptr + n)
-    h0 = i * HPI
-    # the first (query tile, head) of the walk
-    t = m_lo * BM + r
-    t_end = tl.minimum(m_hi * BM, Tq)  # rows of the walk end here
-    on_q = t < t_end
-    q = tl.load(q_ptr + t.to(tl.int64)[:, None] * s_qt + h0 * s_qh + d[None, :],
-                mask=on_q[:, None], other=0.0)
-    lse2 = tl.load(lse_ptr + t.to(tl.int64) * s_lt + h0, mask=on_q, other=0.0) * _LOG2E_C
     for m in range(m_lo, m_hi):
-        t = m * BM + r
+        t = m * BM + tl.arange(0, BM)
         valid = t < Tq
         t64 = t.to(tl.int64)
-        # this tile's index rows, lse_z and support limits: in flight under the head products
-        qi = tl.load(qi_ptr + t64[:, None] * s_it + i * s_ih + di[None, :], mask=valid[:, None],
-                     other=0.0)
-        lse_z = tl.load(lsez_ptr + t64 * s_zt + i, mask=valid, other=0.0)
-        pos = tl.load(qpos_ptr + t, mask=valid, other=-1)
-        kb = tl.load(qkb_ptr + t, mask=valid, other=0)
         # The teacher T = mean_h exp(s_h - lse_h) over the HPI main heads of index head i: one
         # [BM, BN] product per head, the only pass over Q K^T. No mask inside the loop: entries
         # outside a row's support (finite, +inf at worst, never NaN for finite inputs) are
         # dropped once below; the mean is folded into the exponent (lse_shift = log2 HPI).
         teacher = tl.zeros([BM, BN], tl.float32)
         for hl in range(HPI):
-            # the next (tile, head): head hl + 1 of this tile, or head 0 of the next tile
-            step = (hl + 1) // HPI
-            tn = t + step * BM
-            on_n = tn < t_end
-            hn = h0 + (hl + 1) % HPI
-            q_next = tl.load(q_ptr + tn.to(tl.int64)[:, None] * s_qt + hn * s_qh + d[None, :],
-                             mask=on_n[:, None], other=0.0)
-            lse2_next = tl.load(lse_ptr + tn.to(tl.int64) * s_lt + hn, mask=on_n,
-                                other=0.0) * _LOG2E_C
-            teacher += tl.exp2(mma(q, tl.trans(kt), UPCAST, IEEE) * scale2
+            h = i * HPI + hl
+            qh = q_desc.load([m * BM, h * D])  # rows past Tq read as 0
+            lse2 = tl.load(lse_ptr + t64 * s_lt + h, mask=valid, other=0.0) * _LOG2E_C
+            teacher += tl.exp2(mma(qh, tl.trans(kt), UPCAST, IEEE) * scale2
                                - (lse2 + lse_shift)[:, None])
-            q, lse2 = q_next, lse2_next
+        pos = tl.load(qpos_ptr + t, mask=valid, other=-1)
+        kb = tl.load(qkb_ptr + t, mask=valid, other=0)
         inside = support_mask(krow, kmask, kb, pos, valid)
         teacher = tl.where(inside, teacher, 0.0)
+        qi = qi_desc.load([m * BM, i * DI])
+        lse_z = tl.load(lsez_ptr + t64 * s_zt + i, mask=valid, other=0.0)
         # natural units, the very z of _lse_z_kernel: z - lse_z cancels exactly at large |z|
         log_qs = mma(qi, tl.trans(kit), UPCAST, IEEE) * iscale - lse_z[:, None]
         # != 0 (not > 0): a NaN teacher (non-finite q/k/lse in the row's support) makes the KL NaN
@@ -352,11 +326,11 @@ def dense_kl_loss(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: float,
     bad = nonfinite_flag(q_idx, k_idx)  # the operands support_mma isolates
     launch_both(
         _dense_kl_kernel, (n_tiles, Hi),
-        q, _descriptor(k.view(Tk, Hkv * D), (bn, D)), q_idx,
+        _descriptor(q.view(Tq, Hq * D), (bm, D)), _descriptor(k.view(Tk, Hkv * D), (bn, D)),
+        _descriptor(q_idx.view(Tq, Hi * Di), (bm, Di)),
         _descriptor(k_idx.view(Tk, Hik * Di), (bn, Di)),
         lse, lse_z, q_pos, q_kbase, m_lo, m_hi, dq_units, dq_fixed, dq_desc, dq_nan, dk_part,
-        kl_part, Tq, Tk, scale2, math.log2(Hq // Hi), iscale, q.stride(0), q.stride(1),
-        q_idx.stride(0), q_idx.stride(1), lse.stride(0), lse_z.stride(0),
+        kl_part, Tq, Tk, scale2, math.log2(Hq // Hi), iscale, lse.stride(0), lse_z.stride(0),
         HI=Hi, HPI=Hq // Hi, IPG=Hi // Hkv, HPK=Hi // Hik, D=D, DI=Di, BM=bm, BN=bn,
         GRAD=compute_grad, DZS=_DZ_SCALE, TMA_REDUCE=tma_reduce, UPCAST=upcast, IEEE=ieee,
         bad_ptr=bad, num_warps=warps, num_stages=stages,

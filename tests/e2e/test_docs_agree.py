@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -85,3 +86,16 @@ def test_readme_speed_gap_is_computed_from_its_own_numbers():
         shortfalls += expected
     summary = f"{min(shortfalls):.1f}x to {max(shortfalls):.1f}x short of the speed targets"
     assert summary in " ".join(text.split())
+
+
+def test_readme_speed_table_quotes_the_results_json_it_names():
+    """The whole-op column is the named run's ``whole_fwd_bwd`` medians, iid / coherent."""
+    text, rows = _speed_table()
+    start = text.index("Kernel speed against the targets")
+    name = re.search(r"`(benchmarks/results/[^`]+\.json)`", text[start:]).group(1)
+    run = json.loads((REPO / name).read_text())
+    whole = {(r["config"], r["dist"]): r["ms"]["whole_fwd_bwd"]["median"] for r in run["rows"]}
+    for cells in rows:
+        config = cells[0].replace(" ", "-").lower()
+        measured = [round(whole[(config, dist)], 1) for dist in ("iid", "coherent")]
+        assert _pair(cells[1]) == measured, cells[0]

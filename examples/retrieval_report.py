@@ -1,6 +1,7 @@
 """Combine the runs of ``examples/run_retrieval.sh`` into one JSON, a table and a plot.
 
     python examples/retrieval_report.py runs/retrieval_8192
+    python examples/retrieval_report.py --from-json retrieval_r32768.json [--out-dir DIR]
 
 Reads ``<dir>/<run>/metrics.json`` (written by ``examples/pretrain_tiny.py --task retrieval``;
 also the stored ``<dir>/metrics_<run>.json.gz`` of ``benchmarks/results/``) and writes
@@ -8,6 +9,14 @@ also the stored ``<dir>/metrics_<run>.json.gz`` of ``benchmarks/results/``) and 
 ``<dir>/retrieval.md`` (the comparison table, and "record block chosen" per
 layer and index head) and ``<dir>/retrieval.png``
 (held-out exact match and selection recall over training, and where the selected blocks lie).
+
+``--from-json``: the table and the plot again from a ``retrieval.json`` this script wrote (e.g.
+one committed under ``benchmarks/results/``), without the runs' metrics: ``<stem>.md`` and
+``<stem>.png`` beside it (or in ``--out-dir``); the JSON itself is left as it is.
+
+Runs of ``--task text`` (no questions) have no held-out retrieval metrics: their recall and best
+recall are those of the last selection probe of training (on a training window; the table's
+note says at which step), and the retrieval-only columns read "-".
 """
 
 from __future__ import annotations
@@ -90,6 +99,59 @@ def _mean(values: List[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+def load_summary(path: Path) -> Dict[str, Dict]:
+    """``{run name: run record}`` from a ``retrieval.json`` written by :func:`main` (the
+    records hold what the table and the plot read: no per-step loss or speed, but
+    ``median_tokens_per_s``). Raises SystemExit when the file cannot be read or is no such
+    summary."""
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"--from-json {path} cannot be read ({type(error).__name__}: {error})")
+    if (not isinstance(summary, dict) or not summary
+            or not all(isinstance(run, dict) and "args" in run for run in summary.values())):
+        raise SystemExit(f"--from-json {path} is not a retrieval.json of this script (one record "
+                         "with 'args' per run name)")
+    runs = {name: dict(run, name=name, args=run.get("args") or {})
+            for name, run in summary.items()}
+    return dict(sorted(runs.items(), key=lambda kv: ORDER.index(kv[0]) if kv[0] in ORDER
+                       else 9))
+
+
+def final_values(run: Dict) -> Dict:
+    """The values of the table's columns for ``run``: its held-out retrieval metrics; for a run
+    without them (``--task text``: no questions) the recall and best recall of its last
+    selection probe (means over layers; empty when it has no probe)."""
+    if run.get("retrieval"):
+        return run["retrieval"]
+    recall, best = run.get("recall_per_layer") or [], run.get("recall_best_per_layer") or []
+    values = {}
+    if recall and recall[-1]:
+        values["recall"] = _mean(recall[-1])
+    if best and best[-1]:
+        values["recall_best"] = _mean(best[-1])
+    return values
+
+
+def probe_note(runs: Dict[str, Dict]) -> str:
+    """The table's note on runs whose recall comes from the training probe ("" when none)."""
+    probed = [(name, (run.get("probe_steps") or [None])[-1]) for name, run in runs.items()
+              if not run.get("retrieval") and final_values(run)]
+    if not probed:
+        return ""
+    steps = sorted({step for _, step in probed if step is not None})
+    at = f" (step {', '.join(map(str, steps))})" if steps else ""
+    return (f"{', '.join(name for name, _ in probed)}: no questions (--task text): recall and "
+            f"best recall are the last selection probe's{at}, on a training window, not held "
+            "out; the retrieval-only columns read -.")
+
+
+def last_step(run: Dict) -> Optional[int]:
+    """The run's last training step (from its step history, else its ``--steps``)."""
+    steps = run.get("steps") or []
+    return steps[-1] if steps else (run.get("args") or {}).get("steps")
+
+
 def own_speeds(run: Dict) -> List[float]:
     """Tokens/s of the steps this variant trained itself: those after the shared dense warm-up
     (a run that loaded the warm-up carries the warm-up's step history too), all steps when the
@@ -113,21 +175,22 @@ def table(runs: Dict[str, Dict]) -> str:
     """Markdown comparison table (held-out values at the end of training). "best recall": the
     share the best selection the rules allow would hold (the recall's ceiling); "by some layer
     and head": share of questions whose record block at least one layer's index head chose."""
-    measured = {key for run in runs.values() for key in (run.get("retrieval") or {})}
+    measured = {key for run in runs.values() for key in final_values(run)}
     columns = [(key, header) for key, header, optional in COLUMNS
                if not optional or key in measured]
     lines = ["| run | " + " | ".join(header for _, header in columns)
              + " | held-out LM loss | tokens/s |",
              "|---" * (len(columns) + 3) + "|"]
     for name, run in runs.items():
-        r = run.get("retrieval") or {}
+        r = final_values(run)
 
         def cell(key: str) -> str:
             value = r.get(key)
             return f"{value:.3f}" if isinstance(value, (int, float)) else "-"
 
         speeds = own_speeds(run)
-        speed = f"{statistics.median(speeds):,.0f}" if speeds else "-"
+        median = statistics.median(speeds) if speeds else run.get("median_tokens_per_s")
+        speed = f"{median:,.0f}" if isinstance(median, (int, float)) else "-"
         loss = run.get("held_out_loss")
         loss = f"{loss:.3f}" if isinstance(loss, (int, float)) else "-"
         lines.append(f"| {LABELS.get(name, name)} | "
@@ -183,14 +246,16 @@ def plot(runs: Dict[str, Dict], path: Path) -> None:
         color = COLORS.get(name)
         warmup = run["args"].get("warmup_steps", warmup)
         steps, matches = list(run.get("eval_steps") or []), list(run.get("eval_exact_match") or [])
-        final = (run.get("retrieval") or {}).get("exact_match")
-        if isinstance(final, (int, float)) and run.get("steps") and (
-                not steps or run["steps"][-1] > steps[-1]):
-            steps, matches = steps + [run["steps"][-1]], matches + [final]  # the end of training
+        final, end = (run.get("retrieval") or {}).get("exact_match"), last_step(run)
+        if isinstance(final, (int, float)) and end and (not steps or end > steps[-1]):
+            steps, matches = steps + [end], matches + [final]  # the end of training
         draw(ax_acc, steps, matches, color, LABELS.get(name, name), "exact match", marker=".")
         probed = run.get("probe_steps") or []
-        for key, style, what in (("recall_per_layer", "-", "recall (uniform rows)"),
-                                 ("key_hit_per_layer", ":", "record block chosen")):
+        curves = (("recall_per_layer", "-", "recall (uniform rows)"),
+                  ("key_hit_per_layer", ":", "record block chosen"))
+        if not run.get("retrieval"):  # text: no questions, no record block; the ceiling instead
+            curves = (curves[0], ("recall_best_per_layer", "--", "best recall"))
+        for key, style, what in curves:
             values = run.get(key) or []
             if probed and name != "local" and len(values) == len(probed):
                 draw(ax_recall, probed, [_mean(v) for v in values], color, f"{name}: {what}",
@@ -216,6 +281,10 @@ def plot(runs: Dict[str, Dict], path: Path) -> None:
     ax_acc.set_title("held-out exact match of the answers")
     ax_recall.set_title("index selection vs dense teacher")
     ax_hist.set_title("selected blocks by distance from the query's block")
+    if not any(run.get("retrieval") for run in runs.values()):
+        ax_acc.text(0.5, 0.5, "no questions (--task text)", ha="center", transform=ax_acc.transAxes)
+        ax_hist.text(0.5, 0.5, "no held-out probe (--task text)", ha="center",
+                     transform=ax_hist.transAxes)
     ax_hist.set_ylabel("share of selected blocks")
     if ax_hist.get_legend_handles_labels()[0]:
         ax_hist.legend(fontsize=8)
@@ -226,8 +295,21 @@ def plot(runs: Dict[str, Dict], path: Path) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("directory", type=Path)
+    parser.add_argument("directory", type=Path, nargs="?",
+                        help="OUT of run_retrieval.sh, runs/<name> of gpu_retrieval_chain.sh or "
+                             "a benchmarks/results directory")
+    parser.add_argument("--from-json", type=Path, default=None, metavar="FILE",
+                        help="redraw the table and the plot from a retrieval.json this script "
+                             "wrote (instead of a directory): FILE's stem .md and .png")
+    parser.add_argument("--out-dir", type=Path, default=None,
+                        help="with --from-json: write there (default: beside FILE)")
     args = parser.parse_args(argv)
+    if (args.directory is None) == (args.from_json is None):
+        parser.error("give a directory or --from-json FILE (one of them)")
+    if args.out_dir is not None and args.from_json is None:
+        parser.error("--out-dir goes with --from-json (a directory's report is written there)")
+    if args.from_json is not None:
+        return report_from_json(args.from_json, args.out_dir)
     notes: List[str] = []
     runs = load_runs(args.directory, notes)
     summary = {name: {key: run.get(key) for key in (
@@ -246,7 +328,21 @@ def main(argv=None) -> int:
         speeds = own_speeds(run)
         summary[name]["median_tokens_per_s"] = statistics.median(speeds) if speeds else None
     (args.directory / "retrieval.json").write_text(json.dumps(summary, indent=1))
+    text = report_text(runs, notes)
+    (args.directory / "retrieval.md").write_text(text + "\n")
+    plot(runs, args.directory / "retrieval.png")
+    print(text)
+    print(f"wrote {args.directory / 'retrieval.json'}, retrieval.md and retrieval.png")
+    return 0
+
+
+def report_text(runs: Dict[str, Dict], notes: List[str]) -> str:
+    """The markdown of retrieval.md: the table, its note on text runs, the per-head table and
+    the ``notes`` on what is missing."""
     text = table(runs)
+    note = probe_note(runs)
+    if note:
+        text += "\n\n" + note
     heads = head_table(runs)
     if heads:
         text += ("\n\nRecord block chosen per layer (L) and index head (h), held out:\n\n"
@@ -256,10 +352,21 @@ def main(argv=None) -> int:
                      "head; metrics.json written before it existed): no per-head table")
     if notes:
         text += "\n\nMissing:\n\n" + "\n".join(f"- {note}" for note in notes)
-    (args.directory / "retrieval.md").write_text(text + "\n")
-    plot(runs, args.directory / "retrieval.png")
+    return text
+
+
+def report_from_json(path: Path, out_dir: Optional[Path] = None) -> int:
+    """``--from-json``: the table (``<stem>.md``) and the plot (``<stem>.png``) of the
+    ``retrieval.json`` at ``path``, beside it or in ``out_dir``. Raises SystemExit when the file
+    is not such a summary."""
+    runs = load_summary(path)
+    out_dir = path.parent if out_dir is None else out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    text = report_text(runs, [])
+    (out_dir / f"{path.stem}.md").write_text(text + "\n")
+    plot(runs, out_dir / f"{path.stem}.png")
     print(text)
-    print(f"wrote {args.directory / 'retrieval.json'}, retrieval.md and retrieval.png")
+    print(f"wrote {out_dir / (path.stem + '.md')} and {path.stem}.png")
     return 0
 
 

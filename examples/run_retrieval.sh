@@ -16,9 +16,18 @@
 # BLOCK, RUNS (comma-separated), DEVICE (cuda | cpu), OUT (default runs/retrieval_$LEN),
 # PYTHON; PARALLEL=1: the dense run saves its warm-up (--save-warmup) and the other variants
 # start from it as their own processes, all at once (--load-warmup; set OMP_NUM_THREADS).
-# Extra flags go to examples/pretrain_tiny.py (later flags win). Writes
-# $OUT/variants/metrics.json and its log (PARALLEL: $OUT/<variant>/metrics.json), then $OUT/retrieval.json, a table ($OUT/retrieval.md)
-# and plots ($OUT/retrieval.png) from examples/retrieval_report.py.
+# WARMUP_DIR (PARALLEL: where the warm-up is saved; default $OUT/warmup, with PACK=1
+# runs/retrieval_warmup_$LEN). Extra flags go to examples/pretrain_tiny.py (later flags win).
+# Writes $OUT/variants/metrics.json and its log (PARALLEL: $OUT/<variant>/metrics.json and
+# $OUT/<variant>.log), then $OUT/retrieval.json, a table ($OUT/retrieval.md) and plots
+# ($OUT/retrieval.png) from examples/retrieval_report.py.
+#
+# PACK=1 (for the device tool, which returns at most 8 files from its $OUT): at the end, every
+# other file under $OUT (logs, <variant>/metrics.json, <variant>/pretrain_tiny.png) goes into
+# one tarball $OUT/retrieval_logs.tgz (paths relative to $OUT) and is removed, leaving 4 files:
+# retrieval.json, retrieval.md, retrieval.png and the tarball (unpacked into a directory, it is
+# one that examples/retrieval_report.py reads); the warm-up is saved outside $OUT (WARMUP_DIR).
+# E.g. PACK=1 PARALLEL=1 OUT=$OUT/text8k bash examples/run_retrieval.sh --task text
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,12 +40,17 @@ RUNS=${RUNS:-msa,random,local,dense}
 DEVICE=${DEVICE:-cuda}
 OUT=${OUT:-runs/retrieval_$LEN}
 PYTHON=${PYTHON:-python3}
+PACK=${PACK:-0}
+case "$PACK" in 0|1) ;; *) echo "run_retrieval.sh: PACK=$PACK: use PACK=1 or PACK=0" >&2; exit 2 ;; esac
+if [ "$PACK" = 1 ]; then WARMUP_DIR=${WARMUP_DIR:-runs/retrieval_warmup_$LEN}; fi
+WARMUP_DIR=${WARMUP_DIR:-$OUT/warmup}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 mkdir -p "$OUT"
 # The report reads every $OUT/*/metrics.json: drop those of an earlier run into the same OUT, so
 # that a variant not run (or failed) this time cannot show its old numbers.
-rm -f "$OUT"/*/metrics.json "$OUT"/retrieval.json "$OUT"/retrieval.md "$OUT"/retrieval.png
+rm -f "$OUT"/*/metrics.json "$OUT"/retrieval.json "$OUT"/retrieval.md "$OUT"/retrieval.png \
+    "$OUT"/retrieval_logs.tgz
 status=0
 # Held-out exact match every 100 steps is the retrieval task's (pretrain_tiny refuses the
 # retrieval-only flags with --task text, which this script also serves).
@@ -51,7 +65,7 @@ if [ "${PARALLEL:-0}" = 1 ]; then
     # process, side by side. The report reads $OUT/<variant>/metrics.json.
     port=${MASTER_PORT:-$((20000 + RANDOM % 20000))}
     MASTER_PORT=$port "$PYTHON" examples/pretrain_tiny.py "${COMMON[@]}" --runs dense \
-        --save-warmup "$OUT/warmup" --out-dir "$OUT/dense" "$@" \
+        --save-warmup "$WARMUP_DIR" --out-dir "$OUT/dense" "$@" \
         >"$OUT/dense.log" 2>&1 &
     first=$!
     until grep -q "saved the warm-up" "$OUT/dense.log" 2>/dev/null; do
@@ -63,7 +77,7 @@ if [ "${PARALLEL:-0}" = 1 ]; then
         [ "$run" = dense ] && continue
         port=$((port + 1))
         MASTER_PORT=$port "$PYTHON" examples/pretrain_tiny.py "${COMMON[@]}" --runs "$run" \
-            --load-warmup "$OUT/warmup" --out-dir "$OUT/$run" "$@" \
+            --load-warmup "$WARMUP_DIR" --out-dir "$OUT/$run" "$@" \
             >"$OUT/$run.log" 2>&1 &
         pids+=($!)
     done
@@ -76,4 +90,20 @@ else
     grep -v -i warn "$OUT/variants.log" | tail -12
 fi
 "$PYTHON" examples/retrieval_report.py "$OUT" || status=1
+if [ "$PACK" = 1 ]; then
+    # everything but the report's three files into one tarball; then only those four remain
+    packed=$(cd "$OUT" && find . -type f ! -path ./retrieval.json ! -path ./retrieval.md \
+             ! -path ./retrieval.png ! -path ./retrieval_logs.tgz | sort)
+    if [ -n "$packed" ]; then
+        (cd "$OUT" && printf '%s\n' "$packed" | tar czf retrieval_logs.tgz -T -) || exit 1
+        (cd "$OUT" && printf '%s\n' "$packed" | while IFS= read -r f; do rm -f "$f"; done)
+        find "$OUT" -mindepth 1 -type d -empty -delete
+    fi
+    count=$(find "$OUT" -type f | wc -l)
+    echo "PACK=1: $OUT holds $count files ($(cd "$OUT" && ls | tr '\n' ' '))"
+    if [ "$count" -gt 8 ]; then
+        echo "run_retrieval.sh: WARNING: $count files under $OUT: the device tool returns at" \
+             "most 8" >&2
+    fi
+fi
 exit $status

@@ -6,27 +6,44 @@
 #
 #   PHASE=warmup    one link of the warm-up on GPU 0: continue the carried (or kept) warm-up,
 #                   train WARMUP_S seconds, save it; it comes back as $OUT/$NAME.tgz.part-NN
-#                   (pieces of 15 MiB: the device tool returns files of at most 16 MiB) and
-#                   their checksum $OUT/$NAME.tgz.sha256. A complete warm-up is not trained
-#                   further (it says so; run PHASE=variants).
+#                   (pieces of 15 MiB: the device tool returns files of at most 16 MiB), their
+#                   checksum $OUT/$NAME.tgz.sha256 and the warm-up's log $OUT/${NAME}_warmup.log.
+#                   A complete warm-up is not trained further (it says so; run PHASE=variants).
+#                   A warm-up saved (or kept on a still-warm machine) with other settings than
+#                   this call's is refused up front, before any training (exit 2; the message
+#                   names the settings that differ and the fix: rm -rf runs/$NAME runs/carry, or
+#                   the settings it was saved with): pretrain_tiny.py --check-only with the
+#                   flags of the link or of the variants.
 #                   With a second GPU and B_FLAGS set, lane B trains the same recipe with
 #                   B_FLAGS added (later flags win) from scratch for the same time, to compare
 #                   recipes; its state is not kept, its log comes back ($OUT/${NAME}_b.log).
 #   PHASE=variants  finish the warm-up if it is not done (at most FINISH_S seconds), then train
 #                   msa / random / local / dense from it, spread over the visible GPUs (lane i
 #                   on GPU i mod count, LANE_S seconds each at most), then
-#                   examples/retrieval_report.py ($OUT/retrieval_$NAME.md, .json, .png and a
-#                   tarball of logs and metrics).
+#                   examples/retrieval_report.py. Returns $OUT/retrieval_$NAME.json, .md and
+#                   $OUT/retrieval_${NAME}_logs.tgz: the plot (retrieval.png), the warm-up's
+#                   and every lane's log (*.log) and metrics (<run>/metrics.json), relative to
+#                   runs/$NAME (unpacked into a directory, it is one that retrieval_report.py
+#                   reads; python examples/retrieval_report.py --from-json
+#                   retrieval_$NAME.json redraws the table and the plot from the JSON alone).
+#
+# Files returned: the device tool returns at most 8 files from $OUT (16 MiB each, 64 MiB in
+# all: a warm-up of 4 pieces at most). PHASE=warmup returns the pieces (3 for the 38 MiB 32K
+# warm-up), their checksum and the warm-up's log (and lane B's): 7 at most. PHASE=variants
+# returns the JSON, the .md, the tarball and (KEEP_WARMUP=1) the pieces and their checksum: 8
+# at most (7 for a 3-piece warm-up); should the pieces leave no room, the .md goes into the
+# tarball. At the end the script counts the files under $OUT and warns on stderr above 8.
 #
 # Carrying the warm-up into the next call: replace runs/carry/ of the repository by the
 # returned pieces and their checksum (rm -rf runs/carry; mkdir -p runs/carry;
 # cp <files_at>/$NAME.tgz.* runs/carry/) and pass carry=[".whl", "runs/carry"]. The pieces are
 # checked against $NAME.tgz.sha256 and unpacked on the device (pieces of two calls mixed are
-# refused); a warm-up left on a still-warm machine is used when nothing was carried. Every
-# link and the variants must use the same settings (LEN_TASK, WARMUP, STEPS, the recipe): the
-# run refuses a warm-up saved with others (the link fails, its log's last lines say why).
-# PHASE=variants also returns the finished warm-up's pieces (KEEP_WARMUP=0: not), so that it
-# can seed a longer run.
+# refused), then removed there (runs/carry/$NAME.tgz.*, runs/carry_init/$INIT.tgz.*): a later
+# call on the still-warm machine does not unpack them again over a newer warm-up. A warm-up
+# left on a still-warm machine is used when nothing was carried. Every link and the variants
+# must use the same settings (LEN_TASK, WARMUP, STEPS, the recipe): a warm-up saved with others
+# is refused up front (exit 2, see PHASE=warmup). PHASE=variants also returns the finished
+# warm-up's pieces (KEEP_WARMUP=0: not), so that it can seed a longer run.
 #
 # Length extension (examples/README.md "Length extension"): INIT=<name of another warm-up,
 # e.g. r8192> starts this warm-up from that one's weights (pretrain_tiny --init-weights; fresh
@@ -35,12 +52,14 @@
 # (carry=[".whl", "runs/carry_init"]: two warm-ups exceed the 64 MiB a call carries); later
 # links and the variants keep INIT set and carry runs/carry as usual (the saved warm-up records
 # its source, which need not be present any more; INIT is not checked against a warm-up that is
-# already complete). 32K from the 8K warm-up, one GPU. Not yet run: the sizes are estimates (a
-# 32K step ~3x an 8K one, ~0.25 s: 1500 steps fit the first link and FINISH_S; 200 steps per
-# lane, four lanes side by side, within LANE_S=400); read the first link's step rate and
-# resize WARMUP / STEPS (the same on every call) if it is slower:
-#   run(kind="nvidia-h200", carry=[".whl", "runs/carry_init"], command="LEN_TASK=32768 WINDOW=32768 TOPK=16 WARMUP=1500 STEPS=1700 INIT=r8192 PHASE=warmup bash benchmarks/gpu_retrieval_chain.sh")
-#   run(kind="nvidia-h200", carry=[".whl", "runs/carry"], command="LEN_TASK=32768 WINDOW=32768 TOPK=16 WARMUP=1500 STEPS=1700 INIT=r8192 PHASE=variants FINISH_S=150 LANE_S=380 bash benchmarks/gpu_retrieval_chain.sh")
+# already complete). 32K from the 8K warm-up, one H200, one call (~400 s; 2026-12-01): the
+# dense warm-up of 1500 steps took 199 s, the four lanes of 600 sparse steps side by side
+# ~190 s. runs/carry_init holds the 8K warm-up's pieces; the rm -rf first drops what a
+# still-warm machine kept of an earlier call (a warm-up saved with other settings is refused):
+#   run(kind="nvidia-h200", carry=[".whl", "runs/carry_init"], command="rm -rf runs/r32768 runs/carry; export LEN_TASK=32768 WINDOW=32768 TOPK=16 WARMUP=1500 STEPS=2100 INIT=r8192; PHASE=warmup bash benchmarks/gpu_retrieval_chain.sh; rm -rf runs/carry_init; PHASE=variants FINISH_S=60 LANE_S=310 bash benchmarks/gpu_retrieval_chain.sh")
+# Held out (192 questions), dense / MSA trained / MSA random / own block: exact match 0.969 /
+# 0.922 / 0.229 / 0.151, recall 0.847 / 0.805 / 0.534 / 0.397, best recall 0.854 / 0.815 /
+# 0.735 / 0.397.
 #
 # Environment: LEN_TASK (8192), WINDOW (16384 tokens per step), WARMUP (dense steps, 9000),
 # STEPS (WARMUP + 400), TOPK (8), LR (3e-3), KEYS (32), VALUES (8), GATE (1.0: the longest
@@ -54,10 +73,11 @@
 # more before PHASE=variants; if the warm-up is still not done, PHASE=variants returns it
 # (exit 1) for one more call.
 #
-# Exit status: 0 when the phase did its work; PHASE=warmup: the link's own when it failed (2:
-# settings refused, 124: stopped by its timeout, its steps not saved); PHASE=variants: 1 when
-# the warm-up is not finished (its pieces come back for another link) or a lane failed; 1 for
-# carried pieces that do not unpack; 2 for an unknown PHASE.
+# Exit status: 0 when the phase did its work; 2 for a saved warm-up of other settings (either
+# phase, before any training) and for an unknown PHASE; PHASE=warmup: the link's own when it
+# failed (2: settings refused, 124: stopped by its timeout, its steps not saved);
+# PHASE=variants: 1 when the warm-up is not finished (its pieces come back for another link) or
+# a lane failed; 1 for carried pieces that do not unpack.
 #
 # Device tool, one GPU (the run of benchmarks/results/retrieval/gpu_2026-12-01_s8/):
 #   run(kind="nvidia-h200", carry=[".whl"], command="PHASE=warmup bash benchmarks/gpu_retrieval_chain.sh")
@@ -113,6 +133,9 @@ unpack() {  # unpack() DIR NAME: the pieces DIR/NAME.tgz.part-* into runs/NAME/w
         exit 1
     fi
     echo "warm-up unpacked from $1 ($(ls "$1/$2".tgz.part-* | wc -l) pieces)"
+    # used once: a later call on this still-warm machine must not unpack them again over a
+    # newer warm-up (the device keeps ignored paths that a call does not carry)
+    rm -f "$1/$2".tgz.part-* "$1/$2.tgz.sha256"
 }
 restore() {  # the carried pieces win; else a warm-up kept on this machine from the last call
     if ls runs/carry/"$NAME".tgz.part-* >/dev/null 2>&1; then unpack runs/carry "$NAME"
@@ -143,7 +166,28 @@ pack() {  # the warm-up into $OUT as pieces of 15 MiB and their checksum
     tar czf "$R/warmup.tgz" -C "$R" warmup || exit 1
     (cd "$R" && sha256sum warmup.tgz) > "$OUT/$NAME.tgz.sha256"
     split -b 15m -d "$R/warmup.tgz" "$OUT/$NAME.tgz.part-" && rm -f "$R/warmup.tgz"
-    cp "$R/warmup.log" "$OUT/${NAME}_warmup.log" 2>/dev/null
+}
+finish() {  # finish STATUS: list $OUT, warn when the device tool would drop files, exit STATUS
+    local count
+    ls -la "$OUT"
+    count=$(find "$OUT" -type f | wc -l)
+    if [ "$count" -gt 8 ]; then
+        echo "gpu_retrieval_chain.sh: WARNING: $count files under $OUT: the device tool returns" \
+             "at most 8 (the others are left out)" >&2
+    fi
+    exit "$1"
+}
+check_saved() {  # check_saved FLAGS...: pretrain_tiny's check of the saved warm-up against
+    # this call's settings (--check-only: nothing trains); exits 2, naming the fix, if refused
+    [ -f "$SAVED" ] || return 0
+    local message
+    if ! message=$(python3 examples/pretrain_tiny.py $RECIPE "$@" --check-only 2>&1); then
+        printf '%s\n' "$message" | grep -v -i warn | tail -n 8 >&2
+        echo "gpu_retrieval_chain.sh: the warm-up in $R (carried, or kept on this machine from" \
+             "an earlier call) does not fit this call's settings: remove it (rm -rf $R" \
+             "runs/carry) to start anew, or run with the settings it was saved with" >&2
+        exit 2
+    fi
 }
 link() {  # train the warm-up for $1 seconds (continuing a saved one), save it; its exit status
     local resume=() status from
@@ -167,11 +211,18 @@ link() {  # train the warm-up for $1 seconds (continuing a saved one), save it; 
 }
 
 restore
+done_steps=$(saved_step) || exit 1
+if [ "$done_steps" -ge "$WARMUP" ]; then  # the flags of the variants' lanes
+    check_saved --runs msa --load-warmup "$R/warmup" --out-dir "$R/msa"
+else  # those of the next link
+    check_saved --runs dense --resume-warmup "$R/warmup" \
+        ${INIT:+--init-weights "runs/$INIT/warmup"} --save-warmup "$R/warmup" \
+        --warmup-seconds "$WARMUP_S" --out-dir "$R/dense"
+fi
 if [ "$PHASE" = warmup ]; then
-    done_steps=$(saved_step) || exit 1
     if [ "$done_steps" -ge "$WARMUP" ]; then
         echo "the warm-up is complete (step $done_steps of $WARMUP): run PHASE=variants"
-        pack; ls -la "$OUT"; exit 0
+        pack; cp "$R/warmup.log" "$OUT/${NAME}_warmup.log" 2>/dev/null; finish 0
     fi
     if [ -n "${B_FLAGS:-}" ] && [ "$gpus" -lt 2 ]; then
         echo "B_FLAGS set but only $gpus GPU: lane B does not run"
@@ -190,11 +241,10 @@ if [ "$PHASE" = warmup ]; then
         cp "$R/b.log" "$OUT/${NAME}_b.log"
     fi
     [ -f "$SAVED" ] && pack
-    ls -la "$OUT"
-    exit "$status"
+    cp "$R/warmup.log" "$OUT/${NAME}_warmup.log" 2>/dev/null
+    finish "$status"
 fi
 
-done_steps=$(saved_step) || exit 1
 if [ "$done_steps" -lt "$WARMUP" ]; then
     echo "warm-up at step $done_steps of $WARMUP: finishing it (at most $FINISH_S s)"
     link "$FINISH_S"
@@ -203,7 +253,8 @@ fi
 if [ "$done_steps" -lt "$WARMUP" ]; then
     echo "warm-up still at step $done_steps of $WARMUP: returned for another link"
     [ -f "$SAVED" ] && pack
-    exit 1
+    cp "$R/warmup.log" "$OUT/${NAME}_warmup.log" 2>/dev/null
+    finish 1
 fi
 port=29660; i=0; pids=()
 rm -f "$R"/{msa,random,local,dense}/metrics.json  # the report must not show an earlier call's
@@ -224,8 +275,18 @@ for run in msa random local dense; do
         | tail -n 4
 done
 python3 examples/retrieval_report.py "$R" || status=1
-for f in json md png; do cp "$R/retrieval.$f" "$OUT/retrieval_$NAME.$f" 2>/dev/null; done
-tar czf "$OUT/retrieval_${NAME}_logs.tgz" "$R"/*.log "$R"/*/metrics.json 2>/dev/null
+# At most 8 files come back: the JSON and the .md beside the tarball of the plot, logs and
+# metrics (paths relative to $R) and the warm-up's pieces; the .md joins the tarball when the
+# pieces leave no room for it.
+rm -f "$OUT"/retrieval_"$NAME".* "$OUT/retrieval_${NAME}_logs.tgz" "$OUT/${NAME}_warmup.log"
 [ "${KEEP_WARMUP:-1}" = 1 ] && pack  # the finished warm-up comes back: it can seed a longer run
-ls -la "$OUT"
-exit "$status"
+cp "$R/retrieval.json" "$OUT/retrieval_$NAME.json" 2>/dev/null
+packed=(retrieval.png)
+if [ "$(find "$OUT" -type f | wc -l)" -le 6 ]; then
+    cp "$R/retrieval.md" "$OUT/retrieval_$NAME.md" 2>/dev/null
+else
+    packed+=(retrieval.md)
+fi
+(cd "$R" && tar czf - $(ls -d "${packed[@]}" *.log */metrics.json 2>/dev/null)) \
+    > "$OUT/retrieval_${NAME}_logs.tgz"
+finish "$status"

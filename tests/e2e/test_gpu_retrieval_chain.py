@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -77,15 +78,41 @@ def test_warmup_link_carried_into_the_variants(tree, tmp_path):
     second = _chain(tree, tmp_path / "out2", PHASE="variants", FINISH_S="30")
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "warm-up unpacked from runs/carry (1 pieces)" in second.stdout
-    # the finished warm-up comes back too (to seed a longer run)
-    assert (tmp_path / "out2" / "r256_t.tgz.sha256").is_file()
-    assert sorted((tmp_path / "out2").glob("r256_t.tgz.part-*"))
+    # the carried pieces are used once: a later call on this machine does not unpack them again
+    assert not list(carry.iterdir())
+    # at most 8 files come back (the device tool's limit): the finished warm-up (to seed a
+    # longer run), the JSON, the table and one tarball of the plot, logs and metrics
+    returned = sorted(p.name for p in (tmp_path / "out2").rglob("*") if p.is_file())
+    assert returned == ["r256_t.tgz.part-00", "r256_t.tgz.sha256", "retrieval_r256_t.json",
+                        "retrieval_r256_t.md", "retrieval_r256_t_logs.tgz"], returned
+    assert "WARNING" not in second.stderr
     report = (tmp_path / "out2" / "retrieval_r256_t.md").read_text()
     for label in ("dense attention", "MSA, KL-trained index", "MSA, frozen random index",
                   "own block only"):
         assert label in report
+    with tarfile.open(tmp_path / "out2" / "retrieval_r256_t_logs.tgz") as archive:
+        names = set(archive.getnames())
+    assert {"retrieval.png", "msa.log", "random.log", "local.log", "dense.log",
+            "msa/metrics.json", "random/metrics.json", "local/metrics.json",
+            "dense/metrics.json"} <= names, names
     again = _chain(tree, tmp_path / "out3", PHASE="warmup", WARMUP_S="5")
     assert again.returncode == 0 and "the warm-up is complete (step 6 of 6)" in again.stdout
+    # a warm-up kept on this machine with other settings is refused up front, naming the fix
+    # (2026-12-01: STEPS=1700 saved, STEPS=2100 asked: "complete", then the variants refused it)
+    for phase in ("warmup", "variants"):
+        other = _chain(tree, tmp_path / f"out_{phase}", PHASE=phase, STEPS="9")
+        assert other.returncode == 2, other.stdout[-3000:] + other.stderr[-3000:]
+        assert "steps=8/9" in other.stderr and "rm -rf runs/r256_t runs/carry" in other.stderr
+        assert "run PHASE=variants" not in other.stdout and "=== msa" not in other.stdout
+    # more than 8 files under $OUT: a warning on stderr
+    crowded = tmp_path / "crowded"
+    crowded.mkdir()
+    for i in range(8):
+        (crowded / f"old_{i}.txt").write_text("x")
+    # (8 + the piece and its checksum: no warm-up log on this machine, which only unpacked it)
+    warned = _chain(tree, crowded, PHASE="warmup", WARMUP_S="5")
+    assert warned.returncode == 0, warned.stdout[-3000:] + warned.stderr[-3000:]
+    assert "WARNING: 10 files under" in warned.stderr and "at most 8" in warned.stderr
 
 
 def test_init_names_a_warmup_to_start_from(tree, tmp_path):

@@ -546,3 +546,92 @@ def test_report_speed_counts_only_the_variants_own_steps():
     run["args"] = {"warmup_steps": 0}
     assert retrieval_report.own_speeds(run) == [5.0, 100.0, 300.0]
     assert retrieval_report.own_speeds({"steps": [], "tokens_per_s": []}) == []
+
+
+def _report_module():
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        import retrieval_report
+    finally:
+        sys.path.remove(str(REPO / "examples"))
+    return retrieval_report
+
+
+def _text_run(name, recall, best):
+    """A --task text run's record as pretrain_tiny writes it: probes, no questions (zeros for
+    the record block), no held-out retrieval metrics."""
+    return {"name": name, "steps": [1, 2, 3, 4], "loss": [3.0, 2.5, 2.2, 2.0],
+            "tokens_per_s": [10.0, 10.0, 20.0, 30.0], "held_out_loss": 2.1, "retrieval": None,
+            "probe_steps": [2, 4], "recall_per_layer": [[0.1, 0.2], recall],
+            "recall_best_per_layer": [[0.3, 0.4], best], "recall_answer_per_layer": [[0, 0]] * 2,
+            "key_hit_per_layer": [[0.0, 0.0]] * 2, "key_hit_per_head": [[[0.0], [0.0]]] * 2,
+            "key_hit_any": [0.0, 0.0], "eval_steps": [], "eval_exact_match": [],
+            "answer_loss": []}
+
+
+def test_report_shows_the_probe_recall_of_text_runs(tmp_path):
+    """--task text (no questions): recall and best recall are the last probe's (means over
+    layers; the 2026-12-01 text8k report showed '-' although the runs had them), the
+    retrieval-only columns read '-', never 0, and a note says where the recall comes from."""
+    retrieval_report = _report_module()
+    for name, recall, best in (("msa", [0.5, 0.75], [0.75, 1.0]),
+                               ("random", [0.25, 0.5], [0.5, 1.0])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.json").write_text(json.dumps(
+            {"args": {"task": "text", "warmup_steps": 2, "steps": 4, "runs": [name]},
+             "runs": [_text_run(name, recall, best)]}))
+    assert retrieval_report.main([str(tmp_path)]) == 0
+    lines = (tmp_path / "retrieval.md").read_text().splitlines()
+    assert lines[0] == ("| run | exact match | answer loss | recall | best recall | recall, answer "
+                        "rows | record block chosen | held-out LM loss | tokens/s |")
+    assert lines[2] == "| MSA, KL-trained index | - | - | 0.625 | 0.875 | - | - | 2.100 | 25 |"
+    assert lines[3] == "| MSA, frozen random index | - | - | 0.375 | 0.750 | - | - | 2.100 | 25 |"
+    note = lines[5]
+    assert note.startswith("msa, random: no questions (--task text)") and "(step 4)" in note
+    assert "Record block chosen per layer" not in "\n".join(lines)  # no per-head table of zeros
+
+
+def test_report_from_json_reproduces_the_table_and_plot(tmp_path):
+    """--from-json: a retrieval.json alone (a committed one) gives the same table as the
+    directory it was written from, beside it as <stem>.md / <stem>.png or in --out-dir; the
+    JSON is left as it was; what is not such a summary is refused."""
+    retrieval_report = _report_module()
+    runs_dir = tmp_path / "runs"
+    for name in ("dense", "msa"):
+        per_head = [[0.5, 0.25]]
+        run = {"name": name, "steps": [1, 2, 3], "loss": [3.0, 2.0, 1.5],
+               "tokens_per_s": [10.0, 40.0, 60.0], "held_out_loss": 1.25,
+               "probe_steps": [3], "recall_per_layer": [[0.5]], "recall_best_per_layer": [[0.75]],
+               "key_hit_per_layer": [[0.375]], "key_hit_per_head": [per_head],
+               "key_hit_any": [0.5], "eval_steps": [2], "eval_exact_match": [0.5],
+               "answer_loss": [3.0, 2.5, 2.0],
+               "retrieval": {"exact_match": 0.75, "answer_loss": 0.5, "recall": 0.625,
+                             "recall_best": 0.875, "recall_answer": 0.25, "key_hit": 0.375,
+                             "key_hit_any": 0.5, "key_hit_per_head": per_head,
+                             "distance_histogram": {"layer_01": {"own": 3, "2-3": 1}}}}
+        (runs_dir / name).mkdir(parents=True)
+        (runs_dir / name / "metrics.json").write_text(json.dumps(
+            {"args": {"warmup_steps": 1, "steps": 3, "runs": [name]}, "runs": [run]}))
+    assert retrieval_report.main([str(runs_dir)]) == 0
+    direct = (runs_dir / "retrieval.md").read_text()
+    assert "| MSA, KL-trained index | 0.750 | 0.500 | 0.625 | 0.875 | 0.250 | 0.375 | 0.500 |" \
+        " 1.250 | 50 |" in direct
+    stored = tmp_path / "stored"
+    stored.mkdir()
+    summary = stored / "retrieval_r8.json"
+    summary.write_bytes((runs_dir / "retrieval.json").read_bytes())
+    before = summary.read_bytes()
+    assert retrieval_report.main(["--from-json", str(summary)]) == 0
+    assert (stored / "retrieval_r8.md").read_text() == direct
+    assert (stored / "retrieval_r8.png").stat().st_size > 0
+    assert summary.read_bytes() == before
+    assert retrieval_report.main(["--from-json", str(summary), "--out-dir",
+                                  str(tmp_path / "elsewhere")]) == 0
+    assert (tmp_path / "elsewhere" / "retrieval_r8.md").read_text() == direct
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"args": {}, "runs": []}))  # a metrics.json, not a summary
+    with pytest.raises(SystemExit) as exit_info:
+        retrieval_report.main(["--from-json", str(bad)])
+    assert "is not a retrieval.json of this script" in str(exit_info.value)
+    with pytest.raises(SystemExit):  # a directory and --from-json: one of them
+        retrieval_report.main([str(runs_dir), "--from-json", str(summary)])

@@ -1,0 +1,62 @@
+"""examples/run_retrieval.sh's PACK=1 (for the device tool, which returns at most 8 files from
+its $OUT): the report's three files and one tarball of everything else remain. CPU, tiny."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = ["--device", "cpu", "--dtype", "fp32", "--layers", "1", "--hidden", "64", "--ffn-hidden",
+        "128", "--heads", "2", "--index-head-dim", "32", "--pairs", "8", "--queries", "4",
+        "--key-vocab", "8", "--task-len", "256", "--task-len-min", "64", "--min-distance", "64",
+        "--eval-windows", "1", "--eval-interval", "2", "--log-interval", "1",
+        "--probe-interval", "2", "--probe-rows", "16"]
+
+
+def _run(env_extra, *flags, timeout=600):
+    env = dict(os.environ, OMP_NUM_THREADS="1", DEVICE="cpu", LEN="512", STEPS="4", WARMUP="2",
+               TOPK="3", BLOCK="16", PYTHON=sys.executable, MASTER_PORT=str(23000 + random.randrange(2000)))
+    env.update(env_extra)
+    return subprocess.run(["bash", "examples/run_retrieval.sh", *flags], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_pack_must_be_0_or_1(tmp_path):
+    proc = _run({"PACK": "yes", "OUT": str(tmp_path / "out")})
+    assert proc.returncode == 2 and "PACK=yes: use PACK=1 or PACK=0" in proc.stderr
+    assert not (tmp_path / "out").exists()  # nothing was started
+
+
+@pytest.mark.slow
+def test_pack_leaves_the_report_and_one_tarball(tmp_path):
+    """PARALLEL=1 PACK=1 into a sub-folder of the device's $OUT (the 2026-12-01 text8k run wrote
+    15 files there and lost three variants' metrics): 4 files remain, the warm-up is saved in
+    WARMUP_DIR, and the tarball unpacks into a directory the report reads again."""
+    out = tmp_path / "OUT" / "text8k"
+    proc = _run({"PACK": "1", "PARALLEL": "1", "RUNS": "msa,random,dense", "OUT": str(out),
+                 "WARMUP_DIR": str(tmp_path / "warmup")}, *TINY)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    left = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+    assert left == ["retrieval.json", "retrieval.md", "retrieval.png", "retrieval_logs.tgz"]
+    assert "WARNING" not in proc.stderr and "PACK=1: " in proc.stdout
+    assert sorted(p.name for p in (tmp_path / "warmup").iterdir()) == ["warmup_rank000_of001.pt"]
+    with tarfile.open(out / "retrieval_logs.tgz") as archive:
+        names = {name.removeprefix("./") for name in archive.getnames()}
+        archive.extractall(tmp_path / "unpacked", filter="data")
+    assert {"msa.log", "random.log", "dense.log", "msa/metrics.json", "random/metrics.json",
+            "dense/metrics.json", "msa/pretrain_tiny.png"} <= names, names
+    summary = json.loads((out / "retrieval.json").read_text())
+    assert sorted(summary) == ["dense", "msa", "random"]
+    again = subprocess.run([sys.executable, "examples/retrieval_report.py",
+                            str(tmp_path / "unpacked")], cwd=REPO, capture_output=True,
+                           text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert json.loads((tmp_path / "unpacked" / "retrieval.json").read_text()) == summary

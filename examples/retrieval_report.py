@@ -118,12 +118,18 @@ def load_summary(path: Path) -> Dict[str, Dict]:
                        else 9))
 
 
+def is_text(run: Dict) -> bool:
+    """Whether ``run`` trained on ``--task text`` (no questions, no held-out retrieval
+    metrics)."""
+    return (run.get("args") or {}).get("task") == "text"
+
+
 def final_values(run: Dict) -> Dict:
-    """The values of the table's columns for ``run``: its held-out retrieval metrics; for a run
-    without them (``--task text``: no questions) the recall and best recall of its last
-    selection probe (means over layers; empty when it has no probe)."""
-    if run.get("retrieval"):
-        return run["retrieval"]
+    """The values of the table's columns for ``run``: its held-out retrieval metrics; for a
+    ``--task text`` run (no questions) the recall and best recall of its last selection probe
+    (means over layers; empty when it has no probe)."""
+    if not is_text(run):
+        return run.get("retrieval") or {}
     recall, best = run.get("recall_per_layer") or [], run.get("recall_best_per_layer") or []
     values = {}
     if recall and recall[-1]:
@@ -136,7 +142,7 @@ def final_values(run: Dict) -> Dict:
 def probe_note(runs: Dict[str, Dict]) -> str:
     """The table's note on runs whose recall comes from the training probe ("" when none)."""
     probed = [(name, (run.get("probe_steps") or [None])[-1]) for name, run in runs.items()
-              if not run.get("retrieval") and final_values(run)]
+              if is_text(run) and final_values(run)]
     if not probed:
         return ""
     steps = sorted({step for _, step in probed if step is not None})
@@ -253,7 +259,7 @@ def plot(runs: Dict[str, Dict], path: Path) -> None:
         probed = run.get("probe_steps") or []
         curves = (("recall_per_layer", "-", "recall (uniform rows)"),
                   ("key_hit_per_layer", ":", "record block chosen"))
-        if not run.get("retrieval"):  # text: no questions, no record block; the ceiling instead
+        if is_text(run):  # no questions, no record block: the recall's ceiling instead
             curves = (curves[0], ("recall_best_per_layer", "--", "best recall"))
         for key, style, what in curves:
             values = run.get(key) or []
@@ -281,7 +287,7 @@ def plot(runs: Dict[str, Dict], path: Path) -> None:
     ax_acc.set_title("held-out exact match of the answers")
     ax_recall.set_title("index selection vs dense teacher")
     ax_hist.set_title("selected blocks by distance from the query's block")
-    if not any(run.get("retrieval") for run in runs.values()):
+    if all(is_text(run) for run in runs.values()):
         ax_acc.text(0.5, 0.5, "no questions (--task text)", ha="center", transform=ax_acc.transAxes)
         ax_hist.text(0.5, 0.5, "no held-out probe (--task text)", ha="center",
                      transform=ax_hist.transAxes)

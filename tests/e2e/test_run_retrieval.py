@@ -23,7 +23,8 @@ TINY = ["--device", "cpu", "--dtype", "fp32", "--layers", "1", "--hidden", "64",
 
 def _run(env_extra, *flags, timeout=600):
     env = dict(os.environ, OMP_NUM_THREADS="1", DEVICE="cpu", LEN="512", STEPS="4", WARMUP="2",
-               TOPK="3", BLOCK="16", PYTHON=sys.executable, MASTER_PORT=str(23000 + random.randrange(2000)))
+               TOPK="3", BLOCK="16", PYTHON=sys.executable,
+               MASTER_PORT=str(23000 + random.randrange(2000)))
     env.update(env_extra)
     return subprocess.run(["bash", "examples/run_retrieval.sh", *flags], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)

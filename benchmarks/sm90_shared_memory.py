@@ -24,7 +24,18 @@ of the compiled kernel) and how many programs of the kernel fit one multiprocess
 occupancy a persistent grid should be sized by). ``compile PATH NAME[,NAME...]`` compiles only
 the kernels so named.
 
-Exit status 1 when a kernel fails to compile or needs more than the limit.
+Each compiled kernel's SASS (``nvdisasm`` from Triton's wheel) is also checked for uniform
+registers read where no path from the kernel's entry has written them (``sass_check.py``).
+ptxas 12.8 (Triton 3.6) compiled the v10 backward item kernel so at 128 keys:
+the dS^T descriptors of its dQ^T product were built from two never-written uniform registers,
+and the H200 read shared memory out of bounds with them (benchmarks/NOTES.md, "v10 backward:
+out-of-bounds shared read on the GPU"); its shared-memory size and the TTGIR's buffer offsets
+were all within bounds, the interpreter ran it correctly, and ptxas 12.9 (Triton 3.9) compiles the
+same PTX correctly, so only this check on the GPU's Triton finds it. Such a line says
+``UNINIT`` and names the registers and instruction addresses.
+
+Exit status 1 when a kernel fails to compile, needs more than the limit or reads a uniform
+register never written.
 """
 
 from __future__ import annotations
@@ -51,6 +62,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
+
+from sass_check import sass_text, uninitialized_uniform_reads  # noqa: E402
 
 SHARED_LIMIT = 232448  # bytes per block on sm_90 (227 KiB)
 SM_SHARED = 233472  # bytes per multiprocessor on sm_90 (228 KiB)
@@ -177,14 +190,19 @@ def compile_launches(launches, names=None) -> int:
                                         options=options)
             shared = kernel.metadata.shared
             over = shared > SHARED_LIMIT
-            bad += over
-            print(f"{'OVER' if over else 'ok  '} {name} {shown} warps {warps} "
+            sass = sass_text(kernel.asm["cubin"])
+            uninit = [] if sass is None else uninitialized_uniform_reads(sass)
+            bad += over or bool(uninit)
+            status = "OVER" if over else "UNINIT" if uninit else "ok  "
+            reads = ("sass ?" if sass is None else
+                     " ".join(f"{r}@{a:#x}({op})" for a, r, op in uninit[:8]) or "sass ok")
+            print(f"{status} {name} {shown} warps {warps} "
                   f"stages {options.get('num_stages', 'default')} shared {shared} "
-                  f"{ptxas_usage(log.getvalue(), shared, warps)}")
+                  f"{ptxas_usage(log.getvalue(), shared, warps)} {reads}")
         except Exception as error:  # a compile error is a finding, not a crash of the tool
             bad += 1
             print(f"FAIL {name} {shown}: {type(error).__name__}: {str(error)[-300:]}")
-    print(f"{bad} kernel(s) over the limit or failing")
+    print(f"{bad} kernel(s) over the limit, failing or reading unwritten registers")
     return bad
 
 

@@ -11,7 +11,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("sass_check", REPO / "benchmarks" / "sass_check.py")
+    path = REPO / "benchmarks" / "sass_check.py"
+    spec = importlib.util.spec_from_file_location("sass_check", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -863,6 +863,11 @@ def _warmup_file(directory: Path, rank: Optional[int] = None,
     return directory / f"warmup_rank{rank:03d}_of{world_size:03d}.pt"
 
 
+class WarmupLoadError(ValueError):
+    """A saved warm-up (``--load-warmup``, ``--resume-warmup``, ``--init-weights``) that cannot
+    be loaded into this run; :func:`main` reports it like the start-up checks."""
+
+
 def warmup_settings(args: argparse.Namespace) -> Dict[str, object]:
     """The settings :func:`save_warmup` records: :data:`WARMUP_KEYS` and ``init_weights`` (the
     ``--init-weights`` directory the warm-up started from, as a string; None: random weights)."""
@@ -883,8 +888,28 @@ def warmup_settings_differ(saved: Dict[str, object], args: argparse.Namespace,
     if keys is None:
         keys = [k for k in saved if k != "init_weights"]
         keys += ["init_weights"] if args.init_weights is not None else []
-    return ", ".join(f"{k}={saved.get(k)!r}/{now.get(k)!r}" for k in sorted(keys)
-                     if saved.get(k) != now.get(k))
+    differ = []
+    for k in sorted(keys):
+        if resolved_setting(saved, k) != resolved_setting(now, k):
+            shown = ((saved.get(k), now.get(k)) if k == "init_weights" else
+                     (resolved_setting(saved, k), resolved_setting(now, k)))
+            differ.append(f"{k}={shown[0]!r}/{shown[1]!r}")
+    return ", ".join(differ)
+
+
+def resolved_setting(settings: Dict[str, object], key: str) -> object:
+    """The value of setting ``key`` that the run actually uses, from ``settings`` (a
+    :func:`warmup_settings` dictionary, or ``vars(args)`` with it): ``index_heads`` left unset
+    (None) is one index head per KV group (``query_groups``, as
+    :meth:`MSAConfig.resolved_index_heads`); ``init_weights`` is the resolved directory
+    (``runs/r8192``, ``./runs/r8192`` and its absolute path are one; a relative path resolves
+    against the working directory, where the chained runs start). Other keys: as saved."""
+    value = settings.get(key)
+    if key == "index_heads" and value is None:
+        return settings.get("query_groups")
+    if key == "init_weights" and value is not None:
+        return str(Path(value).resolve())
+    return value
 
 
 def saved_warmup_problem(flag: str, directory: Path, settings: Dict[str, object], step: int,
@@ -895,11 +920,14 @@ def saved_warmup_problem(flag: str, directory: Path, settings: Dict[str, object]
     length or schedule serves), a partial warm-up to load, a complete one or a step at or past
     ``--warmup-until`` to resume for a chained link. None: it can. Checked at start-up
     (:func:`check_warmup_dirs`) and again by :func:`read_warmup` on the file it loads."""
+    vocab = ("; vocab_size (the embedding and output rows) follows --task and, for --task "
+             "retrieval, --key-vocab, --value-vocab and --record-format")
     if flag == "--init-weights":
         differ = warmup_settings_differ(settings, args, SHAPE_KEYS)
         return (f"--init-weights {directory} holds a model of another shape (saved, now): "
-                f"{differ}" if differ else None)
+                f"{differ}{vocab if 'vocab_size=' in differ else ''}" if differ else None)
     differ = warmup_settings_differ(settings, args)
+    differ += vocab if "vocab_size=" in differ else ""
     if differ:
         return f"{flag} {directory} was saved with other settings (saved, now): " + differ
     if flag == "--load-warmup" and step < args.warmup_steps:
@@ -1034,15 +1062,16 @@ def load_warmup(args: argparse.Namespace, model: GPTModel, optimizer: torch.opti
     has none, ``args.init_weights`` is set to it, so ``metrics.json`` and the next link's save
     record it.
 
-    Raises ValueError when the file is missing or the saved warm-up cannot serve the flag
-    (:func:`saved_warmup_problem`: other :data:`WARMUP_KEYS` settings, a partial warm-up given to
-    ``--load-warmup``, nothing left to resume for a chained link)."""
+    Raises :class:`WarmupLoadError` (a ValueError) when the file is missing, the saved warm-up
+    cannot serve the flag (:func:`saved_warmup_problem`: other :data:`WARMUP_KEYS` settings, a
+    partial warm-up given to ``--load-warmup``, nothing left to resume for a chained link) or
+    its tensors do not fit ``model`` (:func:`load_saved_model`)."""
     directory = args.load_warmup if args.load_warmup is not None else args.resume_warmup
     flag = "--load-warmup" if args.load_warmup is not None else "--resume-warmup"
     state, step = read_warmup(flag, directory, args)
     if args.init_weights is None and state["settings"].get("init_weights") is not None:
         args.init_weights = Path(state["settings"]["init_weights"])
-    model.load_state_dict(state["model"])
+    load_saved_model(flag, directory, model, state["model"])
     optimizer.load_state_dict(state["optimizer"])
     if isinstance(train_windows, LazyWindows):
         dp_size = parallel_state.get_data_parallel_world_size()
@@ -1059,19 +1088,62 @@ def read_warmup(flag: str, directory: Path, args: argparse.Namespace
     ``flag`` (``--load-warmup``, ``--resume-warmup`` or ``--init-weights``): ``(state, step)``,
     the saved dictionary (tensors on the CPU) and the number of warm-up steps it holds.
 
-    Raises ValueError when the file is missing (another world size, not a warm-up directory) or
-    the warm-up cannot serve ``flag`` (:func:`saved_warmup_problem`, checked at start-up and
-    here again on the file actually read)."""
+    Raises :class:`WarmupLoadError` (a ValueError) when the file is missing (another world
+    size, not a warm-up directory) or the warm-up cannot serve ``flag``
+    (:func:`saved_warmup_problem`, checked at start-up and here again on the file actually
+    read)."""
     path = _warmup_file(directory)
     if not path.is_file():
-        raise ValueError(f"{flag} {directory}: no {path.name} (saved with another "
+        raise WarmupLoadError(f"{flag} {directory}: no {path.name} (saved with another "
                          f"world size, or not a --save-warmup directory)")
     state = torch.load(path, map_location="cpu", weights_only=True)
     step = int(state.get("step", args.warmup_steps))  # older saves: complete warm-ups only
     problem = saved_warmup_problem(flag, directory, state["settings"], step, args)
     if problem:
-        raise ValueError(problem)
+        raise WarmupLoadError(problem)
     return state, step
+
+
+def load_saved_model(flag: str, directory: Path, model: torch.nn.Module,
+                     saved: Dict[str, object], show: int = 4) -> None:
+    """Load ``saved`` (the ``"model"`` state dict of a warm-up file, read for ``flag`` from
+    ``directory``) into ``model``, after checking that its tensors fit: the same parameter and
+    buffer names, each with the shape of ``model``'s (``_extra_state`` entries: names only).
+    The check runs on every rank, and every rank stops when one rank's file does not fit (no
+    rank is left waiting in a collective).
+
+    Raises :class:`WarmupLoadError` (a ValueError) naming ``flag``, ``directory`` and the first
+    ``show`` names that do not fit, with the saved and the model's shapes."""
+    own = model.state_dict()
+    problems = []
+    for name, tensor in own.items():
+        value = saved.get(name)
+        if name not in saved:
+            problems.append(f"{name} missing (model {tuple(tensor.shape)})"
+                            if isinstance(tensor, torch.Tensor) else f"{name} missing")
+        elif (not name.endswith("_extra_state") and isinstance(tensor, torch.Tensor)
+              and isinstance(value, torch.Tensor) and value.shape != tensor.shape):
+            problems.append(f"{name} {tuple(value.shape)}/{tuple(tensor.shape)}")
+    for name in saved:
+        if name not in own:
+            value = saved[name]
+            problems.append(f"{name} not in the model (saved {tuple(value.shape)})"
+                            if isinstance(value, torch.Tensor) else f"{name} not in the model")
+    failed = torch.tensor([float(bool(problems))])
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if dist.get_backend() == "nccl":
+            failed = failed.cuda()
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if problems:
+        more = f" (and {len(problems) - show} more)" if len(problems) > show else ""
+        raise WarmupLoadError(
+            f"{flag} {directory}: {len(problems)} saved tensors do not fit the model (saved/now "
+            f"shapes): {'; '.join(problems[:show])}{more}; run with the model settings that "
+            "saved it")
+    if failed.item():
+        raise WarmupLoadError(f"{flag} {directory}: another rank's saved tensors do not fit "
+                              "the model (that rank names them)")
+    model.load_state_dict(saved)
 
 
 def load_init_weights(args: argparse.Namespace, model: GPTModel) -> None:
@@ -1081,9 +1153,11 @@ def load_init_weights(args: argparse.Namespace, model: GPTModel) -> None:
     the optimizer, step, learning-rate schedule, data stream and history stay those of a fresh
     run. The index branch comes trained with the rest.
 
-    Raises ValueError (:func:`read_warmup`) when the file is missing or holds another shape."""
+    Raises :class:`WarmupLoadError` (a ValueError) when the file is missing, was saved with
+    another shape (:func:`read_warmup`) or its tensors do not fit ``model``
+    (:func:`load_saved_model`)."""
     state, step = read_warmup("--init-weights", args.init_weights, args)
-    model.load_state_dict(state["model"])
+    load_saved_model("--init-weights", args.init_weights, model, state["model"])
     if dist.get_rank() == 0:
         saved = state["settings"]
         print(f"initialised the weights from --init-weights {args.init_weights} (a warm-up at "
@@ -1803,7 +1877,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             record = metrics_record(args, histories)
             (args.out_dir / "metrics.json").write_text(json.dumps(record, indent=1))
 
-    histories = run_variants(args, device, train_windows, eval_windows, save)
+    try:
+        histories = run_variants(args, device, train_windows, eval_windows, save)
+    except WarmupLoadError as error:  # before any training step: reported like the checks
+        print("pretrain_tiny.py: invalid settings, nothing was started:\n  - "
+              + (f"rank {dist.get_rank()}: " if dist.get_world_size() > 1 else "")
+              + str(error), file=sys.stderr, flush=True)
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+        return 2
 
     if is_logger and histories:
         plot(histories, args.out_dir / "pretrain_tiny.png", args.warmup_steps)

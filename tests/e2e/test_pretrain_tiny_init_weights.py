@@ -183,7 +183,8 @@ def test_init_weights_accepts_any_task_length_or_schedule_of_the_same_shape(tiny
     (["--hidden", "128", "--ffn-hidden", "256"], "ffn_hidden=256/128, hidden=128/64"),
     (["--layers", "2"], "layers=2/1"),
     (["--index-head-dim", "64"], "index_head_dim=64/32"),
-    (["--value-vocab", "300"], "vocab_size=3072/640"),
+    (["--value-vocab", "300"], "vocab_size=3072/640; vocab_size (the embedding and output rows) "
+     "follows --task and, for --task retrieval, --key-vocab, --value-vocab and --record-format"),
 ])
 def test_another_model_shape_is_refused_naming_the_settings(tiny, tmp_path, argv, differ):
     source = _fake_warmup(tiny, tmp_path / "other", argv)
@@ -234,3 +235,143 @@ def test_check_only_reports_a_shape_mismatch(tiny, tmp_path):
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "holds a model of another shape (saved, now): ffn_hidden=256/128" in proc.stderr
     assert "settings OK" not in proc.stdout and "Traceback" not in proc.stderr
+
+
+# --- what is compared: the resolved values, not the flags as spelt -----------------------------
+
+
+def test_init_weights_spelt_otherwise_is_the_same_directory(tiny, tmp_path, monkeypatch):
+    """``8k``, ``./8k`` and the absolute path name one directory: a resume that repeats
+    --init-weights in another spelling is accepted; what is saved stays as given."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "8k").mkdir()
+    for saved_as, given in (("8k", "./8k"), ("8k", str(tmp_path / "8k")),
+                            (str(tmp_path / "8k"), "8k"), ("./8k", "8k/")):
+        started = _fake_warmup(tiny, tmp_path / "32k", ["--init-weights", saved_as])
+        resume = ["--resume-warmup", str(started), "--save-warmup", str(started)]
+        assert _errors(tiny, _RUN + resume + ["--init-weights", given]) == [], (saved_as, given)
+    saved = torch.load(started / "warmup_rank000_of001.pt", weights_only=True)
+    assert saved["settings"]["init_weights"] == "8k"  # readable: as given (pathlib's "./8k")
+    other = _errors(tiny, _RUN + resume + ["--init-weights", "16k"])
+    assert other == [f"--resume-warmup {started} was saved with other settings (saved, now): "
+                     "init_weights='8k'/'16k'"]
+
+
+def test_index_heads_left_at_the_default_equals_its_resolved_value(tiny, tmp_path):
+    """No --index-heads resolves to one index head per KV group (here 2): a warm-up saved with
+    --index-heads 2 serves a run without it, and the other way round; 4 does not."""
+    given = _fake_warmup(tiny, tmp_path / "given", ["--index-heads", "2"], step=6)
+    default = _fake_warmup(tiny, tmp_path / "default", step=6)
+    assert _errors(tiny, _RUN + ["--init-weights", str(given)]) == []
+    assert _errors(tiny, _RUN + ["--load-warmup", str(given)]) == []
+    assert _errors(tiny, _RUN + ["--index-heads", "2", "--init-weights", str(default)]) == []
+    assert _errors(tiny, _RUN + ["--index-heads", "2", "--load-warmup", str(default)]) == []
+    four = _fake_warmup(tiny, tmp_path / "four", step=6, index_heads=4)
+    assert _errors(tiny, _RUN + ["--load-warmup", str(four)]) == [
+        f"--load-warmup {four} was saved with other settings (saved, now): index_heads=4/2"]
+
+
+@pytest.mark.parametrize("flag,step,extra", [
+    ("--init-weights", 3, []), ("--load-warmup", 6, []),
+    ("--resume-warmup", 3, ["--save-warmup", "{dir}"])])
+def test_another_vocabulary_is_refused_for_every_flag(tiny, tmp_path, flag, step, extra):
+    source = _fake_warmup(tiny, tmp_path / "vocab", ["--value-vocab", "300"], step=step)
+    errors = _errors(tiny, _RUN + [flag, str(source)]
+                     + [e.format(dir=source) for e in extra])
+    assert len(errors) == 1 and "vocab_size=3072/640" in errors[0], errors
+    assert errors[0].startswith(f"{flag} {source} "), errors
+    assert "follows --task and, for --task retrieval, --key-vocab, --value-vocab" in errors[0]
+
+
+# --- tensors that do not fit, found when the file is loaded -------------------------------------
+
+
+def _misfit_worker(rank, world_size, tmp: str):
+    tiny = _load_example()
+    cpu = torch.device("cpu")
+    tmp = Path(tmp)
+    result = {}
+    # A warm-up of --index-head-dim 32 whose saved settings claim 64 (what no settings check can
+    # catch: an edited or mislabelled file): the tensors of the index branch do not fit.
+    narrow = tiny.parse_args(_RUN + ["--save-warmup", str(tmp / "narrow")])
+    model = tiny.build_model(narrow, cpu)
+    tiny.save_warmup(narrow, model, torch.optim.AdamW(model.parameters()),
+                     tiny.History("warmup"), 6, [])
+    path = tmp / "narrow" / "warmup_rank000_of001.pt"
+    state = torch.load(path, weights_only=True)
+    state["settings"]["index_head_dim"] = 64
+    torch.save(state, path)
+    wide = tiny.parse_args(_RUN + ["--index-head-dim", "64", "--init-weights",
+                                   str(tmp / "narrow")])
+    result["init_check"] = tiny.check_settings(wide, world_size)
+    for flag in ("--init-weights", "--load-warmup"):
+        args = tiny.parse_args(_RUN + ["--index-head-dim", "64", flag, str(tmp / "narrow")])
+        model = tiny.build_model(args, cpu)
+        try:
+            if flag == "--init-weights":
+                tiny.load_init_weights(args, model)
+            else:
+                tiny.load_warmup(args, model, torch.optim.AdamW(model.parameters()))
+            result[flag] = None
+        except Exception as error:  # noqa: BLE001 -- the test names the type
+            result[flag] = (type(error).__name__, isinstance(error, ValueError), str(error))
+    # Another vocabulary, saved honestly: refused by the settings, before any tensor.
+    vocab = tiny.parse_args(_RUN + ["--value-vocab", "300", "--save-warmup", str(tmp / "vocab")])
+    model = tiny.build_model(vocab, cpu)
+    tiny.save_warmup(vocab, model, torch.optim.AdamW(model.parameters()),
+                     tiny.History("warmup"), 6, [])
+    args = tiny.parse_args(_RUN + ["--init-weights", str(tmp / "vocab")])
+    try:
+        tiny.load_init_weights(args, tiny.build_model(args, cpu))
+        result["vocab"] = None
+    except Exception as error:  # noqa: BLE001
+        result["vocab"] = (type(error).__name__, isinstance(error, ValueError), str(error))
+    return result
+
+
+@pytest.fixture(scope="module")
+def misfit(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("misfit")
+    return run_distributed(_misfit_worker, 1, args=(str(tmp),), tp=1, device="cpu")[0], tmp
+
+
+@pytest.mark.parametrize("flag", ["--init-weights", "--load-warmup"])
+def test_tensors_that_do_not_fit_name_the_flag_directory_and_shapes(misfit, flag):
+    result, tmp = misfit
+    assert result["init_check"] == []  # the (edited) settings agree: only the tensors tell
+    kind, is_value_error, message = result[flag]
+    assert is_value_error, result[flag]
+    assert message.startswith(f"{flag} {tmp / 'narrow'}: "), message
+    assert "do not fit the model" in message and "size mismatch" not in message
+    # a parameter of the index branch, with the saved and the model's shapes
+    assert "(32, 64)/(64, 64)" in message, message
+    assert message.count("/(") <= 4 + message.count("missing")  # the first few only
+
+
+def test_another_vocabulary_is_refused_by_the_loader_before_the_tensors(misfit):
+    result, tmp = misfit
+    kind, is_value_error, message = result["vocab"]
+    assert is_value_error and "vocab_size=3072/640" in message, message
+    assert message.startswith(f"--init-weights {tmp / 'vocab'} "), message
+
+
+def test_the_script_reports_tensors_that_do_not_fit_like_the_settings_checks(misfit, tmp_path):
+    """Run as a script: the misfit found on load ends the run with the invalid-settings lines
+    and exit status 2, not a load_state_dict traceback."""
+    import socket
+
+    result, tmp = misfit
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, WORLD_SIZE="1", RANK="0", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, str(EXAMPLE), *_RUN, "--index-head-dim", "64",
+                           "--load-warmup", str(tmp / "narrow"), "--out-dir",
+                           str(tmp_path / "out")], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=GUARD_S)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert ("pretrain_tiny.py: invalid settings, nothing was started:\n  - --load-warmup "
+            f"{tmp / 'narrow'}: ") in proc.stderr, proc.stderr[-2000:]
+    assert "do not fit the model" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out" / "metrics.json").exists()

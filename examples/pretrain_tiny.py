@@ -1095,7 +1095,7 @@ def read_warmup(flag: str, directory: Path, args: argparse.Namespace
     path = _warmup_file(directory)
     if not path.is_file():
         raise WarmupLoadError(f"{flag} {directory}: no {path.name} (saved with another "
-                         f"world size, or not a --save-warmup directory)")
+                              f"world size, or not a --save-warmup directory)")
     state = torch.load(path, map_location="cpu", weights_only=True)
     step = int(state.get("step", args.warmup_steps))  # older saves: complete warm-ups only
     problem = saved_warmup_problem(flag, directory, state["settings"], step, args)
@@ -1831,14 +1831,20 @@ def init_distributed(args: argparse.Namespace) -> torch.device:
     return device
 
 
+def report_invalid(errors: Sequence[str]) -> None:
+    """Print ``errors`` (settings or a saved warm-up this run cannot use) to stderr, one per
+    line under the script's "nothing was started" header."""
+    print("pretrain_tiny.py: invalid settings, nothing was started:\n  - "
+          + "\n  - ".join(errors), file=sys.stderr, flush=True)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", 1))
     errors = check_settings(args, world)
     if errors:
         if int(os.environ.get("RANK", 0)) == 0:  # one message, not one per rank
-            print("pretrain_tiny.py: invalid settings, nothing was started:\n  - "
-                  + "\n  - ".join(errors), file=sys.stderr, flush=True)
+            report_invalid(errors)
         return 2
     out_dir, out_note = resolve_out_dir(args)
     if args.check_only:
@@ -1880,9 +1886,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         histories = run_variants(args, device, train_windows, eval_windows, save)
     except WarmupLoadError as error:  # before any training step: reported like the checks
-        print("pretrain_tiny.py: invalid settings, nothing was started:\n  - "
-              + (f"rank {dist.get_rank()}: " if dist.get_world_size() > 1 else "")
-              + str(error), file=sys.stderr, flush=True)
+        report_invalid([(f"rank {dist.get_rank()}: " if dist.get_world_size() > 1 else "")
+                        + str(error)])
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
         return 2

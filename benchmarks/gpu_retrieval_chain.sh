@@ -177,6 +177,11 @@ finish() {  # finish STATUS: list $OUT, warn when the device tool would drop fil
     fi
     exit "$1"
 }
+finish_link() {  # finish_link STATUS: the warm-up's log into $OUT beside its pieces, then
+    # finish STATUS (the warm-up phase, and a variants call whose warm-up is not done)
+    cp "$R/warmup.log" "$OUT/${NAME}_warmup.log" 2>/dev/null
+    finish "$1"
+}
 check_saved() {  # check_saved FLAGS...: pretrain_tiny's check of the saved warm-up against
     # this call's settings (--check-only: nothing trains); exits 2, naming the fix, if refused
     [ -f "$SAVED" ] || return 0
@@ -222,7 +227,7 @@ fi
 if [ "$PHASE" = warmup ]; then
     if [ "$done_steps" -ge "$WARMUP" ]; then
         echo "the warm-up is complete (step $done_steps of $WARMUP): run PHASE=variants"
-        pack; cp "$R/warmup.log" "$OUT/${NAME}_warmup.log" 2>/dev/null; finish 0
+        pack; finish_link 0
     fi
     if [ -n "${B_FLAGS:-}" ] && [ "$gpus" -lt 2 ]; then
         echo "B_FLAGS set but only $gpus GPU: lane B does not run"
@@ -241,8 +246,7 @@ if [ "$PHASE" = warmup ]; then
         cp "$R/b.log" "$OUT/${NAME}_b.log"
     fi
     [ -f "$SAVED" ] && pack
-    cp "$R/warmup.log" "$OUT/${NAME}_warmup.log" 2>/dev/null
-    finish "$status"
+    finish_link "$status"
 fi
 
 if [ "$done_steps" -lt "$WARMUP" ]; then
@@ -253,8 +257,7 @@ fi
 if [ "$done_steps" -lt "$WARMUP" ]; then
     echo "warm-up still at step $done_steps of $WARMUP: returned for another link"
     [ -f "$SAVED" ] && pack
-    cp "$R/warmup.log" "$OUT/${NAME}_warmup.log" 2>/dev/null
-    finish 1
+    finish_link 1
 fi
 port=29660; i=0; pids=()
 rm -f "$R"/{msa,random,local,dense}/metrics.json  # the report must not show an earlier call's

@@ -28,7 +28,7 @@ from ._common import (
     partial_budget, persistent_programs, row_filter, stage_options, support_mask, tile_rows,
 )
 from ._isolation import launch_both, nonfinite, nonfinite_flag, skip, support_mma
-from .forward import combine_rows, pair_rows, query_rows, query_tiling, warps_for
+from .forward import query_rows, query_tiling, warps_for
 from .reverse_index import (
     SUB_CHUNKS, bucket_pairs, bucket_rows, build_reverse_index, chunk_count, chunk_groups,
     chunk_tokens_bound, query_tile_ranges,
@@ -36,6 +36,9 @@ from .reverse_index import (
 
 # Rows of one tile of the delta kernel.
 _DELTA_ROWS = 64
+# log2(e): the item kernel recomputes P in base 2 (exp2), from the LSE times this.
+LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)
 # Key-row-owning kernels (_attn_bwd_blocks_kernel, _attn_bwd_dkdv_dense_kernel): key rows per
 # program (a whole block of B <= 128 in the sparse items: each gathered Q/dO row and each dQ
 # partial serves all of the block's keys), (token, head) rows per tile (the N of the swap-AB
@@ -142,11 +145,47 @@ def _kv_rows_step(dk, dv, kt, vt, krow, kmask, t, h, valid, q_ptr, do_ptr, lse_p
     return dk, dv, dst, inside, tl.max(tl.where(valid, kbase + pos, -1))
 
 
+@triton.jit
+def _item_pairs(pair_ptr, p0, hi, HR: tl.constexpr, TOK: tl.constexpr):
+    """Flat pair number of each row of the tile of ``TOK`` pairs from ``p0`` (``-1`` at and
+    past ``hi``), ``[TOK*HR]`` (``HR`` rows per pair)."""
+    pr = p0 + tl.arange(0, TOK * HR) // HR
+    return tl.load(pair_ptr + pr, mask=pr < hi, other=-1)
+
+
+@triton.jit
+def _item_rows(flat, q_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, qkb_ptr, k0, s_qt, s_qh,
+               s_lt, HI: tl.constexpr, TOPK: tl.constexpr, HPI: tl.constexpr,
+               HR: tl.constexpr, TOK: tl.constexpr, D: tl.constexpr):
+    """Everything one row tile of an item reads, from its pair numbers ``flat`` alone (no load
+    waits on another): ``(q, do)`` ``[TOK*HR, D]`` (zeros in rows without a pair), the row's
+    LSE in base 2 (``+inf`` there), ``delta`` (0 there) and the support limit, the last key
+    column (relative to key row ``k0``) inside the row's support (``-1`` there). A selected
+    block starts at or after the row's sequence start, so only the upper end bounds the
+    support; the query's own key row is below ``Tk``, so the limit also keeps key rows past
+    ``Tk`` out."""
+    r = tl.arange(0, TOK * HR)
+    hl = r % HR
+    valid = (flat >= 0) & (hl < HPI)
+    t = flat // (HI * TOPK)
+    h = flat // TOPK % HI * HPI + hl
+    t64 = t.to(tl.int64)
+    d = tl.arange(0, D)
+    off = t64[:, None] * s_qt + h[:, None] * s_qh + d[None, :]
+    q = tl.load(q_ptr + off, mask=valid[:, None], other=0.0)
+    do = tl.load(do_ptr + off, mask=valid[:, None], other=0.0)
+    lse2 = tl.load(lse_ptr + t64 * s_lt + h, mask=valid, other=float("inf")) * _LOG2E
+    delta = tl.load(delta_ptr + t64 * s_lt + h, mask=valid, other=0.0)
+    pos = tl.load(qpos_ptr + t, mask=valid, other=0)
+    kb = tl.load(qkb_ptr + t, mask=valid, other=0)
+    return q, do, lse2, delta, tl.where(valid, kb + pos - k0, -1)
+
+
 @triton.jit(do_not_specialize=("ci", "s_g", "sc0", "sc1", "Tk"))
 def _attn_bwd_blocks_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, qkb_ptr, dk_ptr, dv_ptr, pdq_ptr,
     pair_ptr, off_ptr, starts_ptr, meta_ptr, sub_t0_ptr, grp_ptr, n_grp_ptr, next_ptr, ci, s_g,
-    sc0, sc1, Tk, scale,
+    sc0, sc1, Tk, scale, scale2,
     s_qt, s_qh, s_kt, s_kh, s_lt,
     HI: tl.constexpr, TOPK: tl.constexpr, HPI: tl.constexpr, HR: tl.constexpr,
     TOK: tl.constexpr, IPG: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
@@ -164,7 +203,13 @@ def _attn_bwd_blocks_kernel(
     those with pairs in these sub-chunks, :func:`.reverse_index.chunk_groups`) are visited.
     Whole tensors and the chunk ``ci`` (not per-chunk slices, whose alignment Triton would
     specialise on) and ``do_not_specialize`` on the chunk's ints: one compile serves every
-    chunk and length."""
+    chunk and length. ``scale2`` is the softmax scale times log2(e) (``P`` is recomputed in
+    base 2 from the LSE in base 2).
+
+    The row-tile loop is software-pipelined by hand: while tile ``j`` is multiplied, the query
+    and output-gradient rows, LSEs, deltas and support limits of tile ``j + 1`` and the pair
+    numbers of tile ``j + 2`` are in flight (every load's address is already in registers, so
+    no load in the loop waits on another)."""
     if skip(bad_ptr, ISO):
         return
     grp_ptr += ci.to(tl.int64) * s_g
@@ -173,13 +218,15 @@ def _attn_bwd_blocks_kernel(
     NSUB: tl.constexpr = BN // KS
     c = tl.arange(0, KS)
     d = tl.arange(0, D)
+    hl = tl.arange(0, TOK * HR) % HR
     f0 = tl.load(sub_t0_ptr + sc0) * (HI * TOPK)
     n_items = tl.load(n_grp_ptr) * NSUB
     w = tl.atomic_add(next_ptr, 1)
     while w < n_items:
         gb = tl.load(grp_ptr + w // NSUB)
         g, _, s0 = bucket_rows(starts_ptr, meta_ptr, gb * IPG, IPG)
-        krow = s0 + (w % NSUB) * KS + c
+        k0 = s0 + (w % NSUB) * KS
+        krow = k0 + c
         kmask = krow < Tk
         off = krow.to(tl.int64)[:, None] * s_kt + g * s_kh + d[None, :]
         kt = tl.load(k_ptr + off, mask=kmask[:, None], other=0.0)
@@ -190,18 +237,38 @@ def _attn_bwd_blocks_kernel(
         o_row = krow.to(tl.int64) * s_kt + g * s_kh
         dk = tl.load(dk_ptr + o_row[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
         dv = tl.load(dv_ptr + o_row[:, None] + d[None, :], mask=kmask[:, None], other=0.0)
-        reach = -1
+        # Per row slot of the tile, the highest support limit seen (reduced at the item's end:
+        # no per-tile reduction, no second copy of the limits in another layout).
+        reach = tl.full([TOK * HR], -1, tl.int32)
         for il in range(IPG):
             lo, hi = bucket_pairs(off_ptr, meta_ptr, gb * IPG + il, sc0, sc1, SUB)
+            flat = _item_pairs(pair_ptr, lo, hi, HR, TOK)
+            flat_next = _item_pairs(pair_ptr, lo + TOK, hi, HR, TOK)
+            q, do, lse2, delta, lim = _item_rows(flat, q_ptr, do_ptr, lse_ptr, delta_ptr,
+                                                 qpos_ptr, qkb_ptr, k0, s_qt, s_qh, s_lt, HI,
+                                                 TOPK, HPI, HR, TOK, D)
             for p0 in range(lo, hi, TOK):
-                flat, t, i, hl, valid = pair_rows(pair_ptr, p0, hi, f0, HI, TOPK, HPI, HR, TOK)
-                dk, dv, dst, inside, rr = _kv_rows_step(dk, dv, kt, vt, krow, kmask, t,
-                                                        i * HPI + hl, valid, q_ptr, do_ptr,
-                                                        lse_ptr, delta_ptr, qpos_ptr, qkb_ptr,
-                                                        s_qt, s_qh, s_lt, scale, D, UPCAST, IEEE,
-                                                        ISO)
-                reach = tl.maximum(reach, rr)
-                prow = (flat.to(tl.int64) * NSUB + w % NSUB) * HPI + hl
+                # Loads of the next tiles first: they complete under this tile's products.
+                q_n, do_n, lse2_n, delta_n, lim_n = _item_rows(
+                    flat_next, q_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, qkb_ptr, k0, s_qt,
+                    s_qh, s_lt, HI, TOPK, HPI, HR, TOK, D)
+                flat_after = _item_pairs(pair_ptr, p0 + 2 * TOK, hi, HR, TOK)
+                # Keys as the products' rows (swap-AB): S^T = K Q^T, dV += P^T dO,
+                # dP^T = V dO^T, dK += dS^T Q, dQ^T = K^T dS^T; [keys, rows] tiles share the
+                # accumulators' row layout.
+                inside = c[:, None] <= lim[None, :]
+                st = mma(kt, tl.trans(q), UPCAST, IEEE)
+                pt = tl.where(inside, tl.exp2(st * scale2 - lse2[None, :]), 0.0)
+                dv += support_mma(pt.to(do.dtype), do, nonfinite(do), inside, UPCAST, IEEE, ISO)
+                dpt = mma(vt, tl.trans(do), UPCAST, IEEE)
+                if ISO:  # dP^T may be non-finite off the support
+                    dst = tl.where(inside, pt * (dpt - delta[None, :]), 0.0) * scale
+                else:  # P^T is 0 off the support and dP^T finite
+                    dst = pt * (dpt - delta[None, :]) * scale
+                dk += support_mma(dst.to(q.dtype), q, nonfinite(q), inside, UPCAST, IEEE, ISO)
+                reach = tl.maximum(reach, lim)
+                valid = (flat >= 0) & (hl < HPI)
+                prow = ((flat - f0).to(tl.int64) * NSUB + w % NSUB) * HPI + hl
                 if ISO:
                     dq = support_mma(tl.trans(dst.to(kt.dtype)), kt, k_bad, tl.trans(inside),
                                      UPCAST, IEEE, ISO)
@@ -211,11 +278,14 @@ def _attn_bwd_blocks_kernel(
                     dqt = mma(tl.trans(kt), dst.to(kt.dtype), UPCAST, IEEE)
                     tl.store(pdq_ptr + prow[None, :] * D + d[:, None],
                              dqt.to(pdq_ptr.dtype.element_ty), mask=valid[None, :])
-        out = (kmask & (krow <= reach))[:, None]  # rows past the sequence belong to others
-        # Store addresses from the start row loaded again: the load's addresses, kept alive
-        # across the row loop, would cost about 30 registers (spilled).
+                flat, flat_next = flat_next, flat_after
+                q, do, lse2, delta, lim = q_n, do_n, lse2_n, delta_n, lim_n
+        # Rows past the reach belong to others (a block overlapping the next sequence); store
+        # addresses from the start row loaded again: the load's addresses, kept alive across
+        # the row loop, would cost about 30 registers (spilled).
         _, _, s1 = bucket_rows(starts_ptr, meta_ptr, gb * IPG, IPG)
         o_row = (s1 + (w % NSUB) * KS + c).to(tl.int64) * s_kt + g * s_kh
+        out = (c <= tl.max(reach))[:, None]
         tl.store(dk_ptr + o_row[:, None] + d[None, :], dk, mask=out)
         tl.store(dv_ptr + o_row[:, None] + d[None, :], dv, mask=out)
         w = tl.atomic_add(next_ptr, 1)
@@ -269,15 +339,45 @@ def sum_partials_kernel(
     HR: tl.constexpr, TOK: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, FULL: tl.constexpr,
 ):
     """``dq[t, h] = sum`` of the row's (slot, sub-tile) partials, in slot order (dQ, dq_idx),
-    for the tokens of sub-chunks ``sc0 .. sc1 - 1`` (rows kept by ``FULL``)."""
+    for the tokens of sub-chunks ``sc0 .. sc1 - 1`` (rows kept by ``FULL``). Slots without a
+    valid block (never written) are skipped.
+
+    Up to 32 slots, the slots' blocks are loaded as one ``[rows, KP]`` tile (``KP``: ``TOPK``
+    padded to a power of two) and kept as a bit mask, so the partial loads of the slot loop
+    depend only on registers (no chain of a block load, then its partial, per slot)."""
+    R: tl.constexpr = TOK * HR
+    KP: tl.constexpr = (1 if TOPK <= 1 else 2 if TOPK <= 2 else 4 if TOPK <= 4 else
+                        8 if TOPK <= 8 else 16 if TOPK <= 16 else 32)
+    i = tl.program_id(1)
     t0 = tl.load(sub_t0_ptr + sc0)
-    t, h, valid, dq, _ = combine_rows(pdq_ptr, pdq_ptr, bidx_ptr, qpos_ptr, full_ptr,
-                                      tl.program_id(0), tl.program_id(1), t0,
-                                      tl.load(sub_t0_ptr + sc1) - t0, s_bt, s_bh, HI, TOPK, NSUB,
-                                      HPI, HR, TOK, D, BN, False, FULL)
+    r = tl.arange(0, R)
+    tc = tl.program_id(0) * TOK + r // HR
+    hl = r % HR
+    t = t0 + tc
+    valid = row_filter((tc < tl.load(sub_t0_ptr + sc1) - t0) & (hl < HPI), t, i, full_ptr, HI,
+                       FULL)
+    pos = tl.load(qpos_ptr + t, mask=valid, other=-1)
+    t64 = t.to(tl.int64)
+    if TOPK <= 32:  # slot s written: bit s
+        sl = tl.arange(0, KP)
+        blk = tl.load(bidx_ptr + t64[:, None] * s_bt + i * s_bh + sl[None, :],
+                      mask=valid[:, None] & (sl < TOPK)[None, :], other=-1)
+        ok = (blk >= 0) & (blk * BN <= pos[:, None])
+        okbits = tl.sum(ok.to(tl.int32) << sl[None, :], axis=1)
+    base = (tc.to(tl.int64) * HI + i) * (TOPK * NSUB)
     d = tl.arange(0, D)
-    tl.store(dq_ptr + t.to(tl.int64)[:, None] * s_qt + h[:, None] * s_qh + d[None, :],
-             dq.to(dq_ptr.dtype.element_ty), mask=valid[:, None])
+    acc = tl.zeros([R, D], tl.float32)
+    for s in range(TOPK * NSUB):
+        if TOPK <= 32:
+            oks = ((okbits >> (s // NSUB)) & 1) != 0
+        else:
+            bs = tl.load(bidx_ptr + t64 * s_bt + i * s_bh + s // NSUB, mask=valid, other=-1)
+            oks = valid & (bs >= 0) & (bs * BN <= pos)
+        prow = (base + s) * HPI + hl
+        acc += tl.load(pdq_ptr + prow[:, None] * D + d[None, :], mask=oks[:, None],
+                       other=0.0).to(tl.float32)
+    tl.store(dq_ptr + t64[:, None] * s_qt + (i * HPI + hl)[:, None] * s_qh + d[None, :],
+             acc.to(dq_ptr.dtype.element_ty), mask=valid[:, None])
 
 
 def attention_backward(
@@ -356,7 +456,7 @@ def attention_backward(
         launch_both(
             _attn_bwd_blocks_kernel, (programs,), q, k, v, dout, lse, delta, q_pos, q_kbase, dk,
             dv, part, rev.pair, rev.off, rev.starts, rev.meta, rev.sub_t0, groups, n_groups,
-            taken, ci, groups.stride(0), sc0, sc0 + step, Tk, scale, *strides,
+            taken, ci, groups.stride(0), sc0, sc0 + step, Tk, scale, scale * LOG2E, *strides,
             HI=hi, TOPK=top_k, HPI=hpi, HR=khr, TOK=ktok, IPG=ipg, D=D, BN=block_size, KS=ks,
             SUB=SUB_CHUNKS, UPCAST=upcast, IEEE=ieee, bad_ptr=bad, **kopts,
         )

@@ -8,9 +8,11 @@ else sub-tiles of that many) recomputes ``P`` for the (token, head) rows of the 
 selected the block, in the index's fixed order (token-ascending), adds ``P^T dO`` and
 ``dS^T Q`` to fp32 dK/dV accumulators of its own key rows, and writes the rows' partial
 ``dQ = dS K`` for that block; partials are summed per row in slot order afterwards. Products
-run with the keys as rows (swap-AB, :func:`_kv_rows_step`). Items are dealt by an integer
-counter, but each owns its key rows and partial rows, and chunks run one after the other, so
-the gradients are bitwise deterministic.
+run with the keys as rows (swap-AB). The item's row tiles are software-pipelined by hand (the
+next tile's rows load under the current tile's products; benchmarks/NOTES.md, "v9 -> v10
+(backward)"). Items are dealt by an integer counter, most pairs first (:func:`largest_first`),
+but each owns its key rows and partial rows, and chunks run one after the other, so the
+gradients are bitwise deterministic.
 
 Dense mode: dQ query-outer (one program per tokens x heads of an index head, walking key
 tiles), dK/dV key-tile-outer over the query tiles that can see the tile
@@ -30,7 +32,7 @@ from ._common import (
 from ._isolation import launch_both, nonfinite, nonfinite_flag, skip, support_mma
 from .forward import query_rows, query_tiling, warps_for
 from .reverse_index import (
-    SUB_CHUNKS, bucket_pairs, bucket_rows, build_reverse_index, chunk_count, chunk_groups,
+    SUB_CHUNKS, ReverseIndex, bucket_pairs, bucket_rows, build_reverse_index, chunk_count,
     chunk_tokens_bound, query_tile_ranges,
 )
 
@@ -200,7 +202,7 @@ def _attn_bwd_blocks_kernel(
     rows (no two items write the same dK/dV or partial row), so which program takes which
     item does not change any result: bitwise deterministic. Only the ``n_grp_ptr[ci]``
     (KV group x start row) numbers listed in row ``ci`` of ``grp_ptr`` (row stride ``s_g``;
-    those with pairs in these sub-chunks, :func:`.reverse_index.chunk_groups`) are visited.
+    those with pairs in these sub-chunks, most pairs first: :func:`largest_first`) are visited.
     Whole tensors and the chunk ``ci`` (not per-chunk slices, whose alignment Triton would
     specialise on) and ``do_not_specialize`` on the chunk's ints: one compile serves every
     chunk and length. ``scale2`` is the softmax scale times log2(e) (``P`` is recomputed in
@@ -380,6 +382,48 @@ def sum_partials_kernel(
              acc.to(dq_ptr.dtype.element_ty), mask=valid[:, None])
 
 
+def largest_first(rev: ReverseIndex, chunks: int) -> tuple:
+    """Per chunk of ``SUB_CHUNKS // chunks`` sub-chunks, the (KV group, start row) numbers
+    ``gb`` of the item kernel, most pairs first (ties by ``gb``), on the device (no host sync).
+
+    The items are dealt by a counter in this order, so the longest items (blocks that many
+    rows of the chunk selected: coherent selections) start first and the launch does not end
+    on one long item started late. Which program takes which item changes no result.
+
+    Args:
+        rev: the index.
+        chunks: a power of two dividing ``SUB_CHUNKS``.
+
+    Returns:
+        ``(groups, count)``: ``groups [chunks, G]`` int32 (``G = max_buckets // ipg``), row
+        ``c`` listing chunk ``c``'s ``count[c]`` non-empty ``gb`` first, the empty ones after;
+        ``count [chunks]`` int32. Cached on ``rev`` (read-only tensors).
+
+    Raises:
+        ValueError: ``chunks`` is not a power of two dividing ``SUB_CHUNKS``.
+    """
+    if chunks < 1 or SUB_CHUNKS % chunks or chunks & (chunks - 1):
+        raise ValueError(f"chunks must be a power of two dividing {SUB_CHUNKS}, got {chunks}")
+    key = ("backward_largest_first", chunks)
+    cached = rev.chunk_groups_cache.get(key)
+    if cached is not None:
+        return cached
+    dev = rev.off.device
+    n_groups = rev.max_buckets // rev.ipg
+    cap = rev.off.numel() - 1
+    nt = rev.meta[1].to(torch.int64)
+    # Buckets past the last one read empty cells (the offsets' end).
+    bb = torch.minimum(torch.arange(n_groups * rev.ipg, device=dev, dtype=torch.int64),
+                       rev.meta[3].to(torch.int64))
+    sc = torch.arange(0, SUB_CHUNKS + 1, SUB_CHUNKS // chunks, device=dev, dtype=torch.int64)
+    lo = rev.off[(bb[None, :] * nt + (sc * (nt // SUB_CHUNKS))[:, None]).clamp_max(cap)]
+    pairs = (lo[1:] - lo[:-1]).view(chunks, n_groups, rev.ipg).sum(2)  # [chunks, G]
+    order = torch.sort(pairs, dim=1, descending=True, stable=True).indices
+    result = (order.to(torch.int32).contiguous(), (pairs > 0).sum(1).to(torch.int32))
+    rev.chunk_groups_cache[key] = result
+    return result
+
+
 def attention_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, block_idx, q_pos: torch.Tensor, q_kbase: torch.Tensor, block_size: int,
@@ -449,7 +493,7 @@ def attention_backward(
     rows = chunk_tokens_bound(rev, chunks)
     part = torch.empty((rows * hi * top_k * nsub * hpi, D), dtype=q.dtype, device=q.device)
     step = SUB_CHUNKS // chunks
-    groups, n_groups = chunk_groups(rev, chunks)
+    groups, n_groups = largest_first(rev, chunks)
     taken = torch.zeros(chunks, dtype=torch.int32, device=q.device)  # item counter per launch
     programs = persistent_programs(q.device, Hkv * Tk * nsub, programs_per_sm(kwarps))
     for ci, sc0 in enumerate(range(0, SUB_CHUNKS, step)):

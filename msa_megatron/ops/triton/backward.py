@@ -30,7 +30,7 @@ from ._common import (
     partial_budget, persistent_programs, row_filter, stage_options, support_mask, tile_rows,
 )
 from ._isolation import launch_both, nonfinite, nonfinite_flag, skip, support_mma
-from .forward import query_rows, query_tiling, warps_for
+from .forward import LOG2E, _tile_pairs, _tile_valid, query_rows, query_tiling, warps_for
 from .reverse_index import (
     SUB_CHUNKS, ReverseIndex, bucket_pairs, bucket_rows, build_reverse_index, chunk_count,
     chunk_tokens_bound, query_tile_ranges,
@@ -38,8 +38,7 @@ from .reverse_index import (
 
 # Rows of one tile of the delta kernel.
 _DELTA_ROWS = 64
-# log2(e): the item kernel recomputes P in base 2 (exp2), from the LSE times this.
-LOG2E = 1.4426950408889634
+# log2(e) in the item kernel (P recomputed in base 2 from the LSE times this).
 _LOG2E = tl.constexpr(LOG2E)
 # Key-row-owning kernels (_attn_bwd_blocks_kernel, _attn_bwd_dkdv_dense_kernel): key rows per
 # program (a whole block of B <= 128 in the sparse items: each gathered Q/dO row and each dQ
@@ -148,14 +147,6 @@ def _kv_rows_step(dk, dv, kt, vt, krow, kmask, t, h, valid, q_ptr, do_ptr, lse_p
 
 
 @triton.jit
-def _item_pairs(pair_ptr, p0, hi, HR: tl.constexpr, TOK: tl.constexpr):
-    """Flat pair number of each row of the tile of ``TOK`` pairs from ``p0`` (``-1`` at and
-    past ``hi``), ``[TOK*HR]`` (``HR`` rows per pair)."""
-    pr = p0 + tl.arange(0, TOK * HR) // HR
-    return tl.load(pair_ptr + pr, mask=pr < hi, other=-1)
-
-
-@triton.jit
 def _item_rows(flat, q_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, qkb_ptr, k0, s_qt, s_qh,
                s_lt, HI: tl.constexpr, TOPK: tl.constexpr, HPI: tl.constexpr,
                HR: tl.constexpr, TOK: tl.constexpr, D: tl.constexpr):
@@ -166,9 +157,8 @@ def _item_rows(flat, q_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, qkb_ptr, k0, s
     block starts at or after the row's sequence start, so only the upper end bounds the
     support; the query's own key row is below ``Tk``, so the limit also keeps key rows past
     ``Tk`` out."""
-    r = tl.arange(0, TOK * HR)
-    hl = r % HR
-    valid = (flat >= 0) & (hl < HPI)
+    hl = tl.arange(0, TOK * HR) % HR
+    valid = _tile_valid(flat, HPI, HR, TOK)
     t = flat // (HI * TOPK)
     h = flat // TOPK % HI * HPI + hl
     t64 = t.to(tl.int64)
@@ -244,8 +234,8 @@ def _attn_bwd_blocks_kernel(
         reach = tl.full([TOK * HR], -1, tl.int32)
         for il in range(IPG):
             lo, hi = bucket_pairs(off_ptr, meta_ptr, gb * IPG + il, sc0, sc1, SUB)
-            flat = _item_pairs(pair_ptr, lo, hi, HR, TOK)
-            flat_next = _item_pairs(pair_ptr, lo + TOK, hi, HR, TOK)
+            flat = _tile_pairs(pair_ptr, lo, hi, HR, TOK)
+            flat_next = _tile_pairs(pair_ptr, lo + TOK, hi, HR, TOK)
             q, do, lse2, delta, lim = _item_rows(flat, q_ptr, do_ptr, lse_ptr, delta_ptr,
                                                  qpos_ptr, qkb_ptr, k0, s_qt, s_qh, s_lt, HI,
                                                  TOPK, HPI, HR, TOK, D)
@@ -254,7 +244,7 @@ def _attn_bwd_blocks_kernel(
                 q_n, do_n, lse2_n, delta_n, lim_n = _item_rows(
                     flat_next, q_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, qkb_ptr, k0, s_qt,
                     s_qh, s_lt, HI, TOPK, HPI, HR, TOK, D)
-                flat_after = _item_pairs(pair_ptr, p0 + 2 * TOK, hi, HR, TOK)
+                flat_after = _tile_pairs(pair_ptr, p0 + 2 * TOK, hi, HR, TOK)
                 # Keys as the products' rows (swap-AB): S^T = K Q^T, dV += P^T dO,
                 # dP^T = V dO^T, dK += dS^T Q, dQ^T = K^T dS^T; [keys, rows] tiles share the
                 # accumulators' row layout.
@@ -263,13 +253,11 @@ def _attn_bwd_blocks_kernel(
                 pt = tl.where(inside, tl.exp2(st * scale2 - lse2[None, :]), 0.0)
                 dv += support_mma(pt.to(do.dtype), do, nonfinite(do), inside, UPCAST, IEEE, ISO)
                 dpt = mma(vt, tl.trans(do), UPCAST, IEEE)
-                if ISO:  # dP^T may be non-finite off the support
-                    dst = tl.where(inside, pt * (dpt - delta[None, :]), 0.0) * scale
-                else:  # P^T is 0 off the support and dP^T finite
-                    dst = pt * (dpt - delta[None, :]) * scale
+                # dP^T is NaN off the support where V is (the launch flag does not cover V)
+                dst = tl.where(inside, pt * (dpt - delta[None, :]), 0.0) * scale
                 dk += support_mma(dst.to(q.dtype), q, nonfinite(q), inside, UPCAST, IEEE, ISO)
                 reach = tl.maximum(reach, lim)
-                valid = (flat >= 0) & (hl < HPI)
+                valid = _tile_valid(flat, HPI, HR, TOK)
                 prow = ((flat - f0).to(tl.int64) * NSUB + w % NSUB) * HPI + hl
                 if ISO:
                     dq = support_mma(tl.trans(dst.to(kt.dtype)), kt, k_bad, tl.trans(inside),

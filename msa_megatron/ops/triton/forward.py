@@ -298,53 +298,6 @@ def _attn_merge_kernel(
     tl.store(lse_ptr + t64 * s_lt + i * HPI + hl, lse, mask=valid)
 
 
-@triton.jit
-def combine_rows(part_ptr, plse_ptr, bidx_ptr, qpos_ptr, full_ptr, tile, i, t0, Tc, s_bt, s_bh,
-                 HI: tl.constexpr, TOPK: tl.constexpr, NSUB: tl.constexpr, HPI: tl.constexpr,
-                 HR: tl.constexpr, TOK: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-                 WEIGHTED: tl.constexpr, FULL: tl.constexpr):
-    """Merge the ``TOPK * NSUB`` partial rows (slot, sub-tile) of ``TOK`` tokens x ``HR`` heads
-    of index head ``i``: by their LSE (``WEIGHTED``, forward) or by plain sum (gradients).
-    Returns ``(t, h, valid, value [R, D] fp32, lse [R])``; slots without a valid block (never
-    written) are skipped; rows filtered out by ``FULL`` (:func:`._common.row_filter`) are not
-    valid."""
-    R: tl.constexpr = TOK * HR
-    r = tl.arange(0, R)
-    tc = tile * TOK + r // HR
-    hl = r % HR
-    t = t0 + tc
-    valid = row_filter((tc < Tc) & (hl < HPI), t, i, full_ptr, HI, FULL)
-    pos = tl.load(qpos_ptr + t, mask=valid, other=-1)
-    d = tl.arange(0, D)
-    lse = tl.zeros([R], tl.float32)
-    if WEIGHTED:
-        m = tl.full([R], float("-inf"), tl.float32)
-        l = tl.zeros([R], tl.float32)
-        for s in range(TOPK):
-            blk = tl.load(bidx_ptr + t.to(tl.int64) * s_bt + i * s_bh + s, mask=valid, other=-1)
-            ok = valid & (blk >= 0) & (blk * BN <= pos)
-            prow = ((tc.to(tl.int64) * HI + i) * TOPK + s) * HPI + hl
-            lb = tl.load(plse_ptr + prow, mask=ok, other=float("-inf"))
-            m_new = tl.maximum(m, lb)
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            l = l * tl.exp(m - m_use) + tl.exp(lb - m_use)
-            m = m_new
-        lse = tl.where(valid, log_sum_exp(m, l), 0.0)
-    acc = tl.zeros([R, D], tl.float32)
-    for s in range(TOPK * NSUB):
-        blk = tl.load(bidx_ptr + t.to(tl.int64) * s_bt + i * s_bh + s // NSUB, mask=valid,
-                      other=-1)
-        ok = valid & (blk >= 0) & (blk * BN <= pos)
-        prow = ((tc.to(tl.int64) * HI + i) * TOPK * NSUB + s) * HPI + hl
-        part = tl.load(part_ptr + prow[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-        if WEIGHTED:
-            wgt = tl.exp(tl.load(plse_ptr + prow, mask=ok, other=float("-inf")) - lse)
-            acc += wgt[:, None] * part.to(tl.float32)
-        else:
-            acc += part.to(tl.float32)
-    return t, i * HPI + hl, valid, acc, lse
-
-
 def query_tiling(hpi: int, rows: int) -> tuple:
     """``(TOK, HR)``: tokens per row tile and rows per token (a power of two >= ``hpi``), for
     tiles of about ``rows`` token x head rows."""

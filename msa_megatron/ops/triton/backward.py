@@ -43,9 +43,11 @@ _LOG2E = tl.constexpr(LOG2E)
 # Key-row-owning kernels (_attn_bwd_blocks_kernel, _attn_bwd_dkdv_dense_kernel): key rows per
 # program (a whole block of B <= 128 in the sparse items: each gathered Q/dO row and each dQ
 # partial serves all of the block's keys), (token, head) rows per tile (the N of the swap-AB
-# products). At 128 keys, 32 rows, 8 warps the item kernel needs 255 registers without spills
-# and 105 KiB of shared memory on sm_90 (benchmarks/NOTES.md, "v8 -> v9"): one program per
-# multiprocessor; two at 4 warps (64 keys, fp32 inputs).
+# products). At 128 keys, 32 rows, 8 warps the item kernel (with the next tile's rows in
+# registers) needs 255 registers, ~150 B of spilled loop-invariant values and 96 KiB of shared
+# memory on sm_90 (benchmarks/NOTES.md, "v9 -> v10 (backward)"): one program per
+# multiprocessor; two at 4 warps (64 keys, fp32 inputs). Variants selectable here:
+# ITEM_KEYS, ITEM_ROWS = 128, 16 (8 warps) or 64, 16 (4 warps, two programs per SM).
 ITEM_KEYS = 128
 ITEM_ROWS = 32
 

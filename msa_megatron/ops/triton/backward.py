@@ -44,9 +44,10 @@ _LOG2E = tl.constexpr(LOG2E)
 # program (a whole block of B <= 128 in the sparse items: each gathered Q/dO row and each dQ
 # partial serves all of the block's keys), (token, head) rows per tile (the N of the swap-AB
 # products). At 128 keys, 32 rows, 8 warps the item kernel (with the next tile's rows in
-# registers) needs 255 registers, ~150 B of spilled loop-invariant values and 96 KiB of shared
-# memory on sm_90 (benchmarks/NOTES.md, "v9 -> v10 (backward)"): one program per
-# multiprocessor; two at 4 warps (64 keys, fp32 inputs). Variants selectable here:
+# registers) needs 255 registers, ~80 B of spilled loop-invariant values and 128 KiB of shared
+# memory on sm_90 (benchmarks/NOTES.md, "v9 -> v10 (backward)" and "v10 backward:
+# out-of-bounds shared read on the GPU"): one program per multiprocessor; two at 4 warps
+# (64 keys, fp32 inputs). Variants selectable here:
 # ITEM_KEYS, ITEM_ROWS = 128, 16 (8 warps) or 64, 16 (4 warps, two programs per SM).
 ITEM_KEYS = 128
 ITEM_ROWS = 32
@@ -248,8 +249,8 @@ def _attn_bwd_blocks_kernel(
                     s_qh, s_lt, HI, TOPK, HPI, HR, TOK, D)
                 flat_after = _tile_pairs(pair_ptr, p0 + 2 * TOK, hi, HR, TOK)
                 # Keys as the products' rows (swap-AB): S^T = K Q^T, dV += P^T dO,
-                # dP^T = V dO^T, dK += dS^T Q, dQ^T = K^T dS^T; [keys, rows] tiles share the
-                # accumulators' row layout.
+                # dP^T = V dO^T, dK += dS^T Q; [keys, rows] tiles share the accumulators' row
+                # layout.
                 inside = c[:, None] <= lim[None, :]
                 st = mma(kt, tl.trans(q), UPCAST, IEEE)
                 pt = tl.where(inside, tl.exp2(st * scale2 - lse2[None, :]), 0.0)
@@ -261,15 +262,15 @@ def _attn_bwd_blocks_kernel(
                 reach = tl.maximum(reach, lim)
                 valid = _tile_valid(flat, HPI, HR, TOK)
                 prow = ((flat - f0).to(tl.int64) * NSUB + w % NSUB) * HPI + hl
-                if ISO:
-                    dq = support_mma(tl.trans(dst.to(kt.dtype)), kt, k_bad, tl.trans(inside),
-                                     UPCAST, IEEE, ISO)
-                    tl.store(pdq_ptr + prow[:, None] * D + d[None, :],
-                             dq.to(pdq_ptr.dtype.element_ty), mask=valid[:, None])
-                else:  # dQ^T = K^T dS^T: D rows for the warpgroup MMA, K read from shared memory
-                    dqt = mma(tl.trans(kt), dst.to(kt.dtype), UPCAST, IEEE)
-                    tl.store(pdq_ptr + prow[None, :] * D + d[:, None],
-                             dqt.to(pdq_ptr.dtype.element_ty), mask=valid[None, :])
+                # dQ = dS K (rows x D; mma.sync at 32 rows). Not dQ^T = K^T dS^T from shared
+                # memory: at 128 keys ptxas 12.8 (Triton 3.6) compiles that product's dS^T
+                # descriptors from two never-written uniform registers (the H200 read shared
+                # memory out of bounds; benchmarks/NOTES.md, "v10 backward: out-of-bounds shared
+                # read on the GPU").
+                dq = support_mma(tl.trans(dst.to(kt.dtype)), kt, k_bad, tl.trans(inside), UPCAST,
+                                 IEEE, ISO)
+                tl.store(pdq_ptr + prow[:, None] * D + d[None, :],
+                         dq.to(pdq_ptr.dtype.element_ty), mask=valid[:, None])
                 flat, flat_next = flat_next, flat_after
                 q, do, lse2, delta, lim = q_n, do_n, lse2_n, delta_n, lim_n
         # Rows past the reach belong to others (a block overlapping the next sequence); store

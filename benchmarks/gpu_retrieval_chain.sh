@@ -32,7 +32,8 @@
 # warm-up), their checksum and the warm-up's log (and lane B's): 7 at most. PHASE=variants
 # returns the JSON, the .md, the tarball and (KEEP_WARMUP=1) the pieces and their checksum: 8
 # at most (7 for a 3-piece warm-up); should the pieces leave no room, the .md goes into the
-# tarball. At the end the script counts the files under $OUT and warns on stderr above 8.
+# tarball. At the end the script counts the files under $OUT and warns on stderr above 8
+# (examples/out_files.sh, shared with examples/run_retrieval.sh PACK=1).
 #
 # Carrying the warm-up into the next call: replace runs/carry/ of the repository by the
 # returned pieces and their checksum (rm -rf runs/carry; mkdir -p runs/carry;
@@ -59,9 +60,12 @@
 #   run(kind="nvidia-h200", carry=[".whl", "runs/carry_init"], command="rm -rf runs/r32768 runs/carry; export LEN_TASK=32768 WINDOW=32768 TOPK=16 WARMUP=1500 STEPS=2100 INIT=r8192; PHASE=warmup bash benchmarks/gpu_retrieval_chain.sh; rm -rf runs/carry_init; PHASE=variants FINISH_S=60 LANE_S=310 bash benchmarks/gpu_retrieval_chain.sh")
 # Held out (192 questions), dense / MSA trained / MSA random / own block: exact match 0.969 /
 # 0.922 / 0.229 / 0.151, recall 0.847 / 0.805 / 0.534 / 0.397, best recall 0.854 / 0.815 /
-# 0.735 / 0.397.
+# 0.735 / 0.397. Top-k 32 from the same warm-up (its pieces in runs/carry, 246 s, 2026-12-01 s10):
+#   run(kind="nvidia-h200", carry=[".whl", "runs/carry"], command="rm -rf runs/r32768 runs/carry_init; export LEN_TASK=32768 WINDOW=32768 TOPK=32 WARMUP=1500 STEPS=2100 INIT=r8192; PHASE=variants FINISH_S=60 LANE_S=310 KEEP_WARMUP=0 bash benchmarks/gpu_retrieval_chain.sh")
+# exact match 0.969 / 0.927 / 0.255 / 0.151, recall 0.893 / 0.874 / 0.651 / 0.397, best recall
+# 0.901 / 0.884 / 0.849 / 0.397.
 #
-# Environment: LEN_TASK (8192), WINDOW (16384 tokens per step), WARMUP (dense steps, 9000),
+# Environment: LEN_TASK (8192), WINDOW (16384 tokens per step), WARMUP (dense steps, 9000; >= 1),
 # STEPS (WARMUP + 400), TOPK (8), LR (3e-3), KEYS (32), VALUES (8), GATE (1.0: the longest
 # training length doubles whenever the mean training answer loss over 50 steps is below it),
 # EXTRA (more flags for every lane; later flags win), TAG (names a second warm-up of the same
@@ -74,7 +78,8 @@
 # (exit 1) for one more call.
 #
 # Exit status: 0 when the phase did its work; 2 for a saved warm-up of other settings (either
-# phase, before any training) and for an unknown PHASE; PHASE=warmup: the link's own when it
+# phase, before any training), for an unknown PHASE, a number that is not a whole one and
+# WARMUP=0 (all three before anything starts); PHASE=warmup: the link's own when it
 # failed (2: settings refused, 124: stopped by its timeout, its steps not saved);
 # PHASE=variants: 1 when the warm-up is not finished (its pieces come back for another link) or
 # a lane failed; 1 for carried pieces that do not unpack.
@@ -97,8 +102,14 @@ for var in LEN_TASK WINDOW WARMUP STEPS TOPK WARMUP_S FINISH_S LANE_S; do
                      exit 2 ;;
     esac
 done
+if [ "$((10#${WARMUP:-1}))" -eq 0 ]; then  # else "complete" at step 0, and no warm-up to pack
+    echo "gpu_retrieval_chain.sh: WARMUP=$WARMUP: the variants start from the end of a dense" \
+         "warm-up of at least 1 step: give WARMUP >= 1 (9000 at 8K; 1500 at 32K from INIT)" >&2
+    exit 2
+fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 . benchmarks/gpu_env.sh
+. examples/out_files.sh  # msa_out_files, msa_warn_out_files: the device tool's 8 files
 LEN_TASK=${LEN_TASK:-8192}; WINDOW=${WINDOW:-16384}; WARMUP=${WARMUP:-9000}
 STEPS=${STEPS:-$((WARMUP + 400))}; TOPK=${TOPK:-8}; WARMUP_S=${WARMUP_S:-470}
 FINISH_S=${FINISH_S:-300}; LANE_S=${LANE_S:-240}
@@ -168,13 +179,8 @@ pack() {  # the warm-up into $OUT as pieces of 15 MiB and their checksum
     split -b 15m -d "$R/warmup.tgz" "$OUT/$NAME.tgz.part-" && rm -f "$R/warmup.tgz"
 }
 finish() {  # finish STATUS: list $OUT, warn when the device tool would drop files, exit STATUS
-    local count
     ls -la "$OUT"
-    count=$(find "$OUT" -type f | wc -l)
-    if [ "$count" -gt 8 ]; then
-        echo "gpu_retrieval_chain.sh: WARNING: $count files under $OUT: the device tool returns" \
-             "at most 8 (the others are left out)" >&2
-    fi
+    msa_warn_out_files gpu_retrieval_chain.sh "$OUT"
     exit "$1"
 }
 finish_link() {  # finish_link STATUS: the warm-up's log into $OUT beside its pieces, then
@@ -285,7 +291,7 @@ rm -f "$OUT"/retrieval_"$NAME".* "$OUT/retrieval_${NAME}_logs.tgz" "$OUT/${NAME}
 [ "${KEEP_WARMUP:-1}" = 1 ] && pack  # the finished warm-up comes back: it can seed a longer run
 cp "$R/retrieval.json" "$OUT/retrieval_$NAME.json" 2>/dev/null
 packed=(retrieval.png)
-if [ "$(find "$OUT" -type f | wc -l)" -le 6 ]; then
+if [ "$(msa_out_files "$OUT")" -le $((MSA_OUT_MAX_FILES - 2)) ]; then
     cp "$R/retrieval.md" "$OUT/retrieval_$NAME.md" 2>/dev/null
 else
     packed+=(retrieval.md)

@@ -27,6 +27,7 @@
 # one tarball $OUT/retrieval_logs.tgz (paths relative to $OUT) and is removed, leaving 4 files:
 # retrieval.json, retrieval.md, retrieval.png and the tarball (unpacked into a directory, it is
 # one that examples/retrieval_report.py reads); the warm-up is saved outside $OUT (WARMUP_DIR).
+# Above 8 files under $OUT a warning on stderr (examples/out_files.sh, the rule's one place).
 # E.g. PACK=1 PARALLEL=1 OUT=$OUT/text8k bash examples/run_retrieval.sh --task text
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -45,6 +46,8 @@ case "$PACK" in 0|1) ;; *) echo "run_retrieval.sh: PACK=$PACK: use PACK=1 or PAC
 if [ "$PACK" = 1 ]; then WARMUP_DIR=${WARMUP_DIR:-runs/retrieval_warmup_$LEN}; fi
 WARMUP_DIR=${WARMUP_DIR:-$OUT/warmup}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# shellcheck source=out_files.sh
+source examples/out_files.sh   # msa_out_files, msa_warn_out_files: the device tool's 8 files
 
 mkdir -p "$OUT"
 # The report reads every $OUT/*/metrics.json: drop those of an earlier run into the same OUT, so
@@ -99,11 +102,7 @@ if [ "$PACK" = 1 ]; then
         (cd "$OUT" && printf '%s\n' "$packed" | while IFS= read -r f; do rm -f "$f"; done)
         find "$OUT" -mindepth 1 -type d -empty -delete
     fi
-    count=$(find "$OUT" -type f | wc -l)
-    echo "PACK=1: $OUT holds $count files ($(cd "$OUT" && ls | tr '\n' ' '))"
-    if [ "$count" -gt 8 ]; then
-        echo "run_retrieval.sh: WARNING: $count files under $OUT: the device tool returns at" \
-             "most 8" >&2
-    fi
+    echo "PACK=1: $OUT holds $(msa_out_files "$OUT") files ($(cd "$OUT" && ls | tr '\n' ' '))"
+    msa_warn_out_files run_retrieval.sh "$OUT"
 fi
 exit $status

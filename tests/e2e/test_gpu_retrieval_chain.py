@@ -50,6 +50,23 @@ def test_unknown_phase_is_refused(tree, tmp_path):
     assert not (tree / "runs").exists()
 
 
+@pytest.mark.parametrize("phase", ["warmup", "variants"])
+def test_no_warmup_is_refused_up_front(tree, tmp_path, phase):
+    """WARMUP=0 (2026-12-01: "the warm-up is complete (step 0 of 0)", then a failure packing a
+    warm-up that was never saved) and a WARMUP that is no whole number stop before anything
+    starts, exit 2, saying what to give."""
+    for value in ("0", "00"):
+        proc = _chain(tree, tmp_path / "out", PHASE=phase, WARMUP=value)
+        assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert f"WARMUP={value}: the variants start from the end of a dense warm-up of at " \
+               "least 1 step: give WARMUP >= 1" in " ".join(proc.stderr.split())
+        assert "complete" not in proc.stdout
+    for value in ("1.5", "-3", "x"):
+        proc = _chain(tree, tmp_path / "out", PHASE=phase, WARMUP=value)
+        assert proc.returncode == 2 and f"WARMUP={value} must be a whole number" in proc.stderr
+    assert not (tree / "runs").exists() and not (tmp_path / "out").exists()
+
+
 def test_pieces_of_two_calls_mixed_are_refused(tree, tmp_path):
     carry = tree / "runs" / "carry"
     carry.mkdir(parents=True)

@@ -36,6 +36,37 @@ def test_pack_must_be_0_or_1(tmp_path):
     assert not (tmp_path / "out").exists()  # nothing was started
 
 
+def _count_out_files(directory, script="some_script.sh"):
+    """examples/out_files.sh sourced by bash: (count printed, stderr of the warning check)."""
+    proc = subprocess.run(["bash", "-c", "set -euo pipefail; source examples/out_files.sh; "
+                           'msa_out_files "$1"; msa_warn_out_files "$2" "$1"', "-",
+                           str(directory), script], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return int(proc.stdout.strip()), proc.stderr
+
+
+def test_out_files_warns_above_the_device_limit(tmp_path):
+    """The one rule of run_retrieval.sh (PACK=1) and gpu_retrieval_chain.sh: files under $OUT
+    (sub-folders included) are counted, and more than 8 draw one warning naming the script."""
+    assert _count_out_files(tmp_path / "missing") == (0, "")
+    out = tmp_path / "out"
+    (out / "sub").mkdir(parents=True)
+    for i in range(7):
+        (out / f"f{i}").write_text("x")
+    (out / "sub" / "g").write_text("x")
+    assert _count_out_files(out) == (8, "")
+    (out / "sub" / "h").write_text("x")
+    count, warning = _count_out_files(out, "run_retrieval.sh")
+    assert count == 9
+    assert warning.startswith(f"run_retrieval.sh: WARNING: 9 files under {out}: the device tool "
+                              "returns at most 8")
+    for script in ("examples/run_retrieval.sh", "benchmarks/gpu_retrieval_chain.sh"):
+        text = (REPO / script).read_text()
+        assert "out_files.sh" in text and "msa_warn_out_files" in text
+        assert "-gt 8" not in text  # the limit lives in examples/out_files.sh only
+
+
 @pytest.mark.slow
 def test_pack_leaves_the_report_and_one_tarball(tmp_path):
     """PARALLEL=1 PACK=1 into a sub-folder of the device's $OUT (the 2026-12-01 text8k run wrote

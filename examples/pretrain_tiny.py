@@ -73,6 +73,7 @@ from msa_megatron.megatron import (
 from msa_megatron.megatron.index import build_head_layout, reduce_index_grads_over_tp
 from msa_megatron.parallel.tensor import index_head_layout
 
+import retrieval_report  # noqa: E402  (examples/retrieval_report.py, beside this script)
 import retrieval_task  # noqa: E402  (examples/retrieval_task.py, beside this script)
 
 VOCAB_SIZE = 256  # byte-level tokens
@@ -1455,23 +1456,6 @@ def plot(histories: List[History], path: Path, warmup_steps: int) -> None:
     plt.close(fig)
 
 
-def retrieval_table(histories: List[History]) -> str:
-    """Markdown table of the held-out retrieval metrics of every run."""
-    lines = ["| run | exact match | answer loss | recall | best recall | recall (answer rows) | "
-             "record block chosen | by some layer and head | per layer; index head | "
-             "held-out LM loss |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for h in histories:
-        r = h.retrieval or {}
-        cells = [f"{r[key]:.3f}" if isinstance(r.get(key), float) else "-"
-                 for key in ("exact_match", "answer_loss", "recall", "recall_best",
-                             "recall_answer", "key_hit", "key_hit_any")]
-        heads = per_head_text(r.get("key_hit_per_head") or []).replace(" | ", "; ") or "-"
-        lines.append(f"| {h.name} | " + " | ".join(cells) + f" | {heads} | "
-                     f"{h.held_out_loss:.3f} |")
-    return "\n".join(lines)
-
-
 # ----------------------------------------------------------------------------- entry point
 
 
@@ -1896,7 +1880,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         plot(histories, args.out_dir / "pretrain_tiny.png", args.warmup_steps)
         print("held-out loss: " + ", ".join(f"{h.name} {h.held_out_loss:.4f}" for h in histories))
         if args.task == "retrieval":
-            print(retrieval_table(histories), flush=True)
+            # the table of examples/retrieval_report.py (one table for both scripts)
+            print(retrieval_report.report_text(
+                retrieval_report.runs_of_record(metrics_record(args, histories)), []),
+                flush=True)
         print(f"wrote {args.out_dir / 'metrics.json'} and {args.out_dir / 'pretrain_tiny.png'}",
               flush=True)
     parallel_state.destroy_model_parallel()

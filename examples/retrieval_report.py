@@ -16,7 +16,9 @@ one committed under ``benchmarks/results/``), without the runs' metrics: ``<stem
 
 Runs of ``--task text`` (no questions) have no held-out retrieval metrics: their recall and best
 recall are those of the last selection probe of training (on a training window; the table's
-note says at which step), and the retrieval-only columns read "-".
+note says at which step), a column "recall, mean of last 4 probes" averages the last 4 probes
+after the dense warm-up (a probe alone moves by 0.02-0.1), and the retrieval-only columns read
+"-".
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import json
 import statistics
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 ORDER = ("dense", "msa", "random", "local")
 LABELS = {"dense": "dense attention", "msa": "MSA, KL-trained index",
@@ -91,8 +93,27 @@ def load_runs(directory: Path, notes: Optional[List[str]] = None) -> Dict[str, D
     if not runs:
         raise SystemExit(f"no metrics under {directory} (looked for {', '.join(PATTERNS)})"
                          + "".join(f"; {note}" for note in notes))
+    return _in_order(runs)
+
+
+def _in_order(runs: Dict[str, Dict]) -> Dict[str, Dict]:
+    """``runs`` in the table's order: dense, msa, random, local, then any other."""
     return dict(sorted(runs.items(), key=lambda kv: ORDER.index(kv[0]) if kv[0] in ORDER
                        else 9))
+
+
+def runs_of_record(record: Dict) -> Dict[str, Dict]:
+    """``{run name: run record}`` of one ``metrics.json`` record as
+    ``examples/pretrain_tiny.py`` writes it (``{"args": {...}, "runs": [{"name": ...}, ...]}``),
+    each run given the record's ``args``, in the table's order (what :func:`table` and
+    :func:`report_text` read). Raises TypeError when ``record`` has no list of runs."""
+    found = record.get("runs") if isinstance(record, dict) else None
+    if not isinstance(found, list):
+        raise TypeError("record must be a metrics.json record with a list 'runs', got "
+                        f"{type(record).__name__}")
+    args = record.get("args") or {}
+    return _in_order({run.get("name", f"run{i}"): dict(run, args=args)
+                      for i, run in enumerate(found)})
 
 
 def _mean(values: List[float]) -> float:
@@ -114,8 +135,7 @@ def load_summary(path: Path) -> Dict[str, Dict]:
                          "with 'args' per run name)")
     runs = {name: dict(run, name=name, args=run.get("args") or {})
             for name, run in summary.items()}
-    return dict(sorted(runs.items(), key=lambda kv: ORDER.index(kv[0]) if kv[0] in ORDER
-                       else 9))
+    return _in_order(runs)
 
 
 def is_text(run: Dict) -> bool:
@@ -124,16 +144,44 @@ def is_text(run: Dict) -> bool:
     return (run.get("args") or {}).get("task") == "text"
 
 
+# Text runs: besides the last probe's recall, the mean over this many last probes after the
+# dense -> sparse switch (one probe reads 256 rows of one training window: it moves by about
+# 0.02-0.1 from probe to probe, the first layer most).
+LAST_PROBES = 4
+
+
+def last_probes(run: Dict, count: int = LAST_PROBES) -> List[Tuple[Optional[int], float]]:
+    """``(probe step, recall as the mean over layers)`` of the last ``count`` selection probes
+    of ``run`` after its dense warm-up (``--warmup-steps``; all probes when none is after it),
+    oldest first; steps are None when the run has no ``probe_steps`` of the same length.
+
+    Raises ValueError when ``count`` < 1."""
+    if count < 1:
+        raise ValueError(f"count must be at least 1, got {count}")
+    recall = run.get("recall_per_layer") or []
+    steps = run.get("probe_steps") or []
+    if len(steps) != len(recall):
+        steps = [None] * len(recall)
+    probes = [(step, _mean(values)) for step, values in zip(steps, recall) if values]
+    warmup = int((run.get("args") or {}).get("warmup_steps") or 0)
+    after = [(step, value) for step, value in probes if step is not None and step > warmup]
+    return (after or probes)[-count:]
+
+
 def final_values(run: Dict) -> Dict:
     """The values of the table's columns for ``run``: its held-out retrieval metrics; for a
     ``--task text`` run (no questions) the recall and best recall of its last selection probe
-    (means over layers; empty when it has no probe)."""
+    and the recall's mean over the last :data:`LAST_PROBES` probes after the warm-up
+    (``recall_last_probes``; means over layers; empty when it has no probe)."""
     if not is_text(run):
         return run.get("retrieval") or {}
     recall, best = run.get("recall_per_layer") or [], run.get("recall_best_per_layer") or []
     values = {}
     if recall and recall[-1]:
         values["recall"] = _mean(recall[-1])
+    tail = last_probes(run)
+    if tail:
+        values["recall_last_probes"] = _mean([value for _, value in tail])
     if best and best[-1]:
         values["recall_best"] = _mean(best[-1])
     return values
@@ -141,15 +189,26 @@ def final_values(run: Dict) -> Dict:
 
 def probe_note(runs: Dict[str, Dict]) -> str:
     """The table's note on runs whose recall comes from the training probe ("" when none)."""
-    probed = [(name, (run.get("probe_steps") or [None])[-1]) for name, run in runs.items()
-              if is_text(run) and final_values(run)]
+    probed = [(name, (run.get("probe_steps") or [None])[-1], last_probes(run))
+              for name, run in runs.items() if is_text(run) and final_values(run)]
     if not probed:
         return ""
-    steps = sorted({step for _, step in probed if step is not None})
+    steps = sorted({step for _, step, _ in probed if step is not None})
     at = f" (step {', '.join(map(str, steps))})" if steps else ""
-    return (f"{', '.join(name for name, _ in probed)}: no questions (--task text): recall and "
+
+    def span(count: int, first: Optional[int], last: Optional[int]) -> str:
+        if first is None:
+            return f"{count} probe" + "s" * (count > 1)
+        return f"1 probe, step {first}" if count == 1 else f"{count} probes, steps {first}-{last}"
+
+    spans = "; ".join(span(*key) for key in sorted(
+        {(len(tail), tail[0][0], tail[-1][0]) for _, _, tail in probed if tail},
+        key=lambda key: (key[0], key[1] or 0)))
+    return (f"{', '.join(name for name, _, _ in probed)}: no questions (--task text): recall and "
             f"best recall are the last selection probe's{at}, on a training window, not held "
-            "out; the retrieval-only columns read -.")
+            f"out; \"recall, mean of last {LAST_PROBES} probes\" averages the last probes after "
+            f"the dense warm-up ({spans}: one probe moves by about 0.02-0.1, the first layer "
+            "most); the retrieval-only columns read -.")
 
 
 def last_step(run: Dict) -> Optional[int]:
@@ -171,7 +230,9 @@ def own_speeds(run: Dict) -> List[float]:
 # Held-out columns of the comparison table: (retrieval key, header). Those marked optional
 # appear only when some run measured them (runs stored before they existed read the same).
 COLUMNS = [("exact_match", "exact match", False), ("answer_loss", "answer loss", False),
-           ("recall", "recall", False), ("recall_best", "best recall", True),
+           ("recall", "recall", False),
+           ("recall_last_probes", f"recall, mean of last {LAST_PROBES} probes", True),
+           ("recall_best", "best recall", True),
            ("recall_answer", "recall, answer rows", False),
            ("key_hit", "record block chosen", False),
            ("key_hit_any", "by some layer and head", True)]

@@ -118,7 +118,9 @@ def test_example_runs_retrieval_task_on_cpu(tmp_path):
         assert all(len(v) == 2 for v in run["key_hit_per_layer"])
         assert len(run["answer_loss"]) == 4 and all(0 < v < 20 for v in run["answer_loss"])
     assert record["args"]["rotary_base"] == 500000 and "answer loss" in proc.stdout
-    assert "| msa |" in proc.stdout and "exact match" in proc.stdout
+    # the table of examples/retrieval_report.py (pretrain_tiny keeps no twin of it)
+    assert "| MSA, KL-trained index |" in proc.stdout and "| exact match |" in proc.stdout
+    assert "| MSA, frozen random index |" in proc.stdout and "L2 best" in proc.stdout
 
 
 @pytest.mark.slow
@@ -582,13 +584,79 @@ def test_report_shows_the_probe_recall_of_text_runs(tmp_path):
              "runs": [_text_run(name, recall, best)]}))
     assert retrieval_report.main([str(tmp_path)]) == 0
     lines = (tmp_path / "retrieval.md").read_text().splitlines()
-    assert lines[0] == ("| run | exact match | answer loss | recall | best recall | recall, answer "
-                        "rows | record block chosen | held-out LM loss | tokens/s |")
-    assert lines[2] == "| MSA, KL-trained index | - | - | 0.625 | 0.875 | - | - | 2.100 | 25 |"
-    assert lines[3] == "| MSA, frozen random index | - | - | 0.375 | 0.750 | - | - | 2.100 | 25 |"
+    assert lines[0] == ("| run | exact match | answer loss | recall | recall, mean of last 4 "
+                        "probes | best recall | recall, answer rows | record block chosen | "
+                        "held-out LM loss | tokens/s |")
+    # one probe after the warm-up (step 4): its mean is the last probe's recall
+    assert lines[2] == ("| MSA, KL-trained index | - | - | 0.625 | 0.625 | 0.875 | - | - | 2.100 "
+                        "| 25 |")
+    assert lines[3] == ("| MSA, frozen random index | - | - | 0.375 | 0.375 | 0.750 | - | - | "
+                        "2.100 | 25 |")
     note = lines[5]
     assert note.startswith("msa, random: no questions (--task text)") and "(step 4)" in note
+    assert "(1 probe, step 4:" in note
     assert "Record block chosen per layer" not in "\n".join(lines)  # no per-head table of zeros
+
+
+def test_report_averages_the_last_probes_of_text_runs():
+    """Text runs: "recall, mean of last 4 probes" is the mean (over probes, of the means over
+    layers) of the last 4 probes after the dense warm-up; probes of the warm-up never count,
+    fewer probes after it give a mean over those; retrieval runs have no such column."""
+    retrieval_report = _report_module()
+    run = _text_run("msa", [0.5, 0.5], [1.0, 1.0])
+    run["args"] = {"task": "text", "warmup_steps": 20}
+    run["probe_steps"] = [10, 20, 30, 40, 50, 60, 70]
+    run["recall_per_layer"] = [[0.0, 0.0], [0.1, 0.1], [0.2, 0.4], [0.5, 0.5], [0.6, 0.6],
+                               [0.25, 0.75], [1.0, 0.8]]
+    run["recall_best_per_layer"] = [[1.0, 1.0]] * 7
+    assert retrieval_report.last_probes(run) == [(40, 0.5), (50, 0.6), (60, 0.5),
+                                                 (70, pytest.approx(0.9))]
+    values = retrieval_report.final_values(run)
+    assert values["recall"] == pytest.approx(0.9)
+    assert values["recall_last_probes"] == pytest.approx((0.5 + 0.6 + 0.5 + 0.9) / 4)
+    run["args"]["warmup_steps"] = 55  # two probes after the switch
+    assert retrieval_report.final_values(run)["recall_last_probes"] == pytest.approx(0.7)
+    assert "(2 probes, steps 60-70:" in retrieval_report.probe_note({"msa": run})
+    run["args"]["warmup_steps"] = 70  # none after it: the last ones of all
+    assert [step for step, _ in retrieval_report.last_probes(run, 2)] == [60, 70]
+    with pytest.raises(ValueError, match="count must be at least 1"):
+        retrieval_report.last_probes(run, 0)
+    header = retrieval_report.table({"msa": run}).splitlines()[0]
+    assert "| recall | recall, mean of last 4 probes | best recall |" in header
+    held_out = {"args": {"task": "retrieval"}, "retrieval": {"recall": 0.5, "exact_match": 1.0},
+                "recall_per_layer": [[0.1], [0.2]], "probe_steps": [1, 2]}
+    assert "last 4 probes" not in retrieval_report.table({"msa": held_out})
+    assert "recall_last_probes" not in retrieval_report.final_values(held_out)
+
+
+def test_pretrain_tiny_prints_the_reports_table():
+    """examples/pretrain_tiny.py has no table of its own: it prints retrieval_report's
+    report_text of its metrics record (runs_of_record), the same rows a report of its
+    metrics.json shows."""
+    tiny = _load_example()
+    try:
+        assert not hasattr(tiny, "retrieval_table")
+        report = tiny.retrieval_report
+        args = tiny.parse_args(["--device", "cpu", "--task", "retrieval", "--runs", "msa,dense",
+                                "--quick"])
+        histories = []
+        for name, match in (("msa", 0.75), ("dense", 1.0)):
+            history = tiny.History(name=name, steps=[1, 2], tokens_per_s=[10.0, 30.0],
+                                   held_out_loss=1.5)
+            history.retrieval = {"exact_match": match, "answer_loss": 0.25, "recall": 0.5,
+                                 "recall_answer": 0.125, "key_hit": 0.375,
+                                 "key_hit_per_head": [[0.5, 0.25]]}
+            histories.append(history)
+        record = tiny.metrics_record(args, histories)
+        runs = report.runs_of_record(record)
+        assert list(runs) == ["dense", "msa"] and runs["msa"]["args"]["task"] == "retrieval"
+        text = report.report_text(runs, [])
+        assert "| MSA, KL-trained index | 0.750 | 0.250 | 0.500 | 0.125 | 0.375 | 1.500 |" in text
+        assert "| dense attention | 1.000 |" in text and "L1 best" in text
+        with pytest.raises(TypeError, match="list 'runs'"):
+            report.runs_of_record({"args": {}})
+    finally:
+        sys.modules.pop("pretrain_tiny_retrieval_test", None)
 
 
 def test_report_from_json_reproduces_the_table_and_plot(tmp_path):

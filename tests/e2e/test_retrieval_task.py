@@ -703,3 +703,34 @@ def test_report_from_json_reproduces_the_table_and_plot(tmp_path):
     assert "is not a retrieval.json of this script" in str(exit_info.value)
     with pytest.raises(SystemExit):  # a directory and --from-json: one of them
         retrieval_report.main([str(runs_dir), "--from-json", str(summary)])
+
+
+def test_readme_quotes_the_s10_gpu_results():
+    """README.md's GPU rows of 2026-12-01 s10 (32K top-k 32; real text 8K seed 2) are the
+    committed JSONs' values, formatted as the tables print them."""
+    readme = " ".join((REPO / "README.md").read_text().split())
+    results = REPO / "benchmarks" / "results" / "retrieval" / "gpu_2026-12-01_s10"
+    report = _report_module()
+    runs = report.load_summary(results / "r32768_top32" / "retrieval_r32768.json")
+    dense = runs["dense"]["retrieval"]["exact_match"]
+    for name, run in runs.items():
+        r = run["retrieval"]
+        match = f"{r['exact_match']:.3f}"
+        if name == "msa":
+            match = f"**{match}** ({100 * r['exact_match'] / dense:.1f}% of dense)"
+        if name == "local":
+            match += f" (chance {r['value_set_chance']:.3f})"
+        cells = [match] + [f"{r[key]:.3f}" for key in ("answer_loss", "recall", "recall_best",
+                                                       "key_hit", "key_hit_any")]
+        row = " | ".join(cells + [f"{run['held_out_loss']:.3f}"]) + " |"
+        assert row in readme, row
+    runs = report.load_summary(results / "text8k_seed2" / "retrieval.json")
+    for name, run in runs.items():
+        values = report.final_values(run)
+        last = " ".join(f"{v:.2f}" for v in run["recall_per_layer"][-1])
+        cells = [f"{run['held_out_loss']:.3f}", f"{values['recall']:.3f} ({last})",
+                 f"{values['recall_last_probes']:.3f}"]
+        if name == "msa":
+            cells = [f"**{cells[0]}**", f"**{values['recall']:.3f}** ({last})", f"**{cells[2]}**"]
+        assert " | ".join(cells) in readme, cells
+        assert f"| {values['recall_best']:.3f} |" in readme

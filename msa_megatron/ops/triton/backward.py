@@ -48,7 +48,9 @@ _LOG2E = tl.constexpr(LOG2E)
 # memory on sm_90 (benchmarks/NOTES.md, "v9 -> v10 (backward)" and "v10 backward:
 # out-of-bounds shared read on the GPU"): one program per multiprocessor; two at 4 warps
 # (64 keys, fp32 inputs). Variants selectable here:
-# ITEM_KEYS, ITEM_ROWS = 128, 16 (8 warps) or 64, 16 (4 warps, two programs per SM).
+# ITEM_KEYS, ITEM_ROWS = 128, 16 (8 warps) or 64, 16 (4 warps, two programs per SM); both
+# measured slower on the H200 than 128, 32 (main_bwd 33.2 / 35.2 ms against 26.6 at 32K;
+# benchmarks/results/kernels_h200_v11_bwd_*.json).
 ITEM_KEYS = 128
 ITEM_ROWS = 32
 

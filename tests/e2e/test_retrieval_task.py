@@ -706,23 +706,44 @@ def test_report_from_json_reproduces_the_table_and_plot(tmp_path):
 
 
 def test_readme_quotes_the_s10_gpu_results():
-    """README.md's GPU rows of 2026-12-01 s10 (32K top-k 32; real text 8K seed 2) are the
-    committed JSONs' values, formatted as the tables print them."""
+    """README.md's GPU rows of 2026-12-01 s10 (32K top-k 32 and 64; real text 8K seed 2) are the
+    committed JSONs' values, formatted as the tables print them; the table by top-k (s9's top-k
+    16, s10's 32 and 64) quotes the trained and random index's exact match, recall, best recall
+    and their ratio."""
     readme = " ".join((REPO / "README.md").read_text().split())
     results = REPO / "benchmarks" / "results" / "retrieval" / "gpu_2026-12-01_s10"
     report = _report_module()
-    runs = report.load_summary(results / "r32768_top32" / "retrieval_r32768.json")
-    dense = runs["dense"]["retrieval"]["exact_match"]
-    for name, run in runs.items():
-        r = run["retrieval"]
-        match = f"{r['exact_match']:.3f}"
-        if name == "msa":
-            match = f"**{match}** ({100 * r['exact_match'] / dense:.1f}% of dense)"
-        if name == "local":
-            match += f" (chance {r['value_set_chance']:.3f})"
-        cells = [match] + [f"{r[key]:.3f}" for key in ("answer_loss", "recall", "recall_best",
-                                                       "key_hit", "key_hit_any")]
-        row = " | ".join(cells + [f"{run['held_out_loss']:.3f}"]) + " |"
+    labels = {"dense": "dense attention", "msa": "**MSA, KL-trained index**",
+              "random": "MSA, frozen random index", "local": "own block only"}
+    by_top_k = {16: REPO / "benchmarks" / "results" / "retrieval" / "gpu_2026-12-01_s9"
+                / "r32768" / "retrieval_r32768.json"}
+    for top_k in (32, 64):
+        path = results / f"r32768_top{top_k}" / "retrieval_r32768.json"
+        by_top_k[top_k] = path
+        runs = report.load_summary(path)
+        assert set(runs) == set(labels)
+        dense = runs["dense"]["retrieval"]["exact_match"]
+        for name, run in runs.items():
+            assert run["args"]["top_k"] == top_k, (path, name)
+            r = run["retrieval"]
+            match = f"{r['exact_match']:.3f}"
+            if name == "msa":
+                match = f"**{match}** ({100 * r['exact_match'] / dense:.1f}% of dense)"
+            if name == "local":
+                match += f" (chance {r['value_set_chance']:.3f})"
+            cells = [match] + [f"{r[key]:.3f}" for key in ("answer_loss", "recall", "recall_best",
+                                                           "key_hit", "key_hit_any")]
+            row = " | ".join(cells + [f"{run['held_out_loss']:.3f}"]) + " |"
+            row = f"| {1 if name == 'local' else top_k} | {labels[name]} | {row}"
+            assert row in readme, row
+    for top_k, path in by_top_k.items():
+        runs = report.load_summary(path)
+        cells = [f"{top_k} (s9)" if top_k == 16 else str(top_k)]
+        for name in ("msa", "random"):
+            r = runs[name]["retrieval"]
+            cells += [f"{r['exact_match']:.3f}", f"{r['recall']:.3f}", f"{r['recall_best']:.3f}",
+                      f"{100 * r['recall'] / r['recall_best']:.1f}%"]
+        row = "| " + " | ".join(cells) + " |"
         assert row in readme, row
     runs = report.load_summary(results / "text8k_seed2" / "retrieval.json")
     for name, run in runs.items():

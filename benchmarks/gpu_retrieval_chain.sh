@@ -78,9 +78,9 @@
 # (exit 1) for one more call.
 #
 # Exit status: 0 when the phase did its work; 2 for a saved warm-up of other settings (either
-# phase, before any training), for an unknown PHASE, a number that is not a whole one and
-# WARMUP=0 (all three before anything starts); PHASE=warmup: the link's own when it
-# failed (2: settings refused, 124: stopped by its timeout, its steps not saved);
+# phase, before any training), for an unknown PHASE, a number that is not a whole one,
+# WARMUP=0 and STEPS <= WARMUP (all four before anything starts); PHASE=warmup: the link's
+# own when it failed (2: settings refused, 124: stopped by its timeout, its steps not saved);
 # PHASE=variants: 1 when the warm-up is not finished (its pieces come back for another link) or
 # a lane failed; 1 for carried pieces that do not unpack.
 #
@@ -105,6 +105,11 @@ done
 if [ "$((10#${WARMUP:-1}))" -eq 0 ]; then  # else "complete" at step 0, and no warm-up to pack
     echo "gpu_retrieval_chain.sh: WARMUP=$WARMUP: the variants start from the end of a dense" \
          "warm-up of at least 1 step: give WARMUP >= 1 (9000 at 8K; 1500 at 32K from INIT)" >&2
+    exit 2
+fi
+if [ -n "${STEPS:-}" ] && [ "$((10#$STEPS))" -le "$((10#${WARMUP:-9000}))" ]; then
+    echo "gpu_retrieval_chain.sh: STEPS=$STEPS must exceed WARMUP=${WARMUP:-9000}: the variants" \
+         "train steps WARMUP+1 .. STEPS (default STEPS = WARMUP + 400)" >&2
     exit 2
 fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

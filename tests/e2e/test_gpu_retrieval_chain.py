@@ -67,6 +67,19 @@ def test_no_warmup_is_refused_up_front(tree, tmp_path, phase):
     assert not (tree / "runs").exists() and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("phase", ["warmup", "variants"])
+def test_steps_not_past_warmup_are_refused_up_front(tree, tmp_path, phase):
+    """STEPS <= WARMUP leaves the variants no step to train: refused before anything starts,
+    exit 2, naming both (also with WARMUP left at its default 9000)."""
+    for env in (dict(WARMUP="6", STEPS="6"), dict(WARMUP="6", STEPS="5"),
+                dict(WARMUP="", STEPS="9000")):
+        proc = _chain(tree, tmp_path / "out", PHASE=phase, **env)
+        assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert f"STEPS={env['STEPS']} must exceed WARMUP={env['WARMUP'] or 9000}" in " ".join(
+            proc.stderr.split())
+    assert not (tree / "runs").exists() and not (tmp_path / "out").exists()
+
+
 def test_pieces_of_two_calls_mixed_are_refused(tree, tmp_path):
     carry = tree / "runs" / "carry"
     carry.mkdir(parents=True)

@@ -1599,6 +1599,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.dtype = "bf16" if args.device == "cuda" else "fp32"
     if args.probe_interval is None:
         args.probe_interval = args.log_interval
+    if args.no_baseline and args.runs is not None and args.runs.strip() != "msa":
+        p.error(f"--no-baseline (same as --runs msa) contradicts --runs {args.runs}: give one "
+                "of them")
     if args.runs is None:
         args.runs = ("msa" if args.no_baseline else
                      "msa,random,local,dense" if args.task == "retrieval" else "msa,dense")
@@ -1609,7 +1612,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.task == "retrieval":
         if args.task_len is None:
             args.task_len = args.seq_len
-        if args.seq_len % args.task_len or args.task_len % PAD_MULTIPLE:
+        if (args.task_len < PAD_MULTIPLE or args.seq_len % args.task_len
+                or args.task_len % PAD_MULTIPLE):
             p.error(f"--task-len ({args.task_len}) must divide --seq-len ({args.seq_len}) and be "
                     f"a multiple of {PAD_MULTIPLE}")
         if args.task_len_min is not None and not (
@@ -1715,6 +1719,25 @@ def check_settings(args: argparse.Namespace, world_size: int) -> List[str]:
     if tp >= 1 and args.query_groups >= 1 and args.query_groups % tp and tp % args.query_groups:
         errors.append(f"--query-groups {args.query_groups} and --tp {tp}: one must divide the "
                       "other")
+    for flag, value in (("--layers", args.layers), ("--hidden", args.hidden),
+                        ("--ffn-hidden", args.ffn_hidden), ("--rotary-base", args.rotary_base)):
+        if value < 1:
+            errors.append(f"{flag} {value} must be >= 1")
+    for flag, value in (("--lr", args.lr), ("--clip-grad", args.clip_grad)):
+        if not (math.isfinite(value) and value > 0):  # a negative clip would flip the gradient
+            errors.append(f"{flag} {value} must be a finite number > 0")
+    if args.probe_interval < 0:
+        errors.append(f"--probe-interval {args.probe_interval} must be >= 0 (0: never)")
+    if args.probe_rows < 1:
+        errors.append(f"--probe-rows {args.probe_rows} must be >= 1")
+    if args.task == "retrieval":
+        if not (math.isfinite(args.answer_weight) and args.answer_weight > 0):
+            errors.append(f"--answer-weight {args.answer_weight} must be a finite number > 0")
+        if args.min_distance < 0:
+            errors.append(f"--min-distance {args.min_distance} must be >= 0")
+        if args.eval_interval < 0:
+            errors.append(f"--eval-interval {args.eval_interval} must be >= 0 (0: at the end "
+                          "only)")
     if args.steps < 1:
         errors.append(f"--steps {args.steps} must be >= 1")
     if not 0 <= args.warmup_steps <= args.steps:
@@ -1742,7 +1765,8 @@ def check_settings(args: argparse.Namespace, world_size: int) -> List[str]:
     chained = [f for f, v in (("--warmup-until", args.warmup_until),
                               ("--warmup-seconds", args.warmup_seconds)) if v is not None]
     if chained and args.save_warmup is None:
-        errors.append(f"{' and '.join(chained)} need --save-warmup (where the warm-up goes)")
+        errors.append(f"{' and '.join(chained)} need{'s' if len(chained) == 1 else ''} "
+                      "--save-warmup (where the warm-up goes)")
     if args.warmup_until is not None and not 1 <= args.warmup_until <= args.warmup_steps:
         errors.append(f"--warmup-until {args.warmup_until} must be in [1, --warmup-steps "
                       f"{args.warmup_steps}]")
@@ -1756,9 +1780,10 @@ def check_settings(args: argparse.Namespace, world_size: int) -> List[str]:
         flags += chained
         errors.append(f"{' and '.join(flags)} need{'s' if len(flags) == 1 else ''} a dense "
                       "warm-up, but --warmup-steps is 0")
-    if args.eval_windows < 1 or args.log_interval < 1:
-        errors.append(f"--eval-windows {args.eval_windows} and --log-interval "
-                      f"{args.log_interval} must be >= 1")
+    for flag, value in (("--eval-windows", args.eval_windows),
+                        ("--log-interval", args.log_interval)):
+        if value < 1:
+            errors.append(f"{flag} {value} must be >= 1")
     if args.device == "cuda":
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         if not torch.cuda.is_available():

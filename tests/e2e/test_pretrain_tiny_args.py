@@ -58,8 +58,10 @@ def test_default_and_quick_settings_are_valid(tiny):
     (["--lr-warmup", "-1"], 1, "--lr-warmup -1"),
     (["--heads", "3"], 1, "multiple of --heads 3"),
     (["--index-head-dim", "16"], 1, "--index-head-dim 16 is smaller than the RoPE dims"),
-    (["--warmup-until", "5"], 1, "--warmup-until need --save-warmup"),
-    (["--warmup-seconds", "60"], 1, "--warmup-seconds need --save-warmup"),
+    (["--warmup-until", "5"], 1, "--warmup-until needs --save-warmup"),
+    (["--warmup-seconds", "60"], 1, "--warmup-seconds needs --save-warmup"),
+    (["--warmup-until", "5", "--warmup-seconds", "6"], 1,
+     "--warmup-until and --warmup-seconds need --save-warmup"),
     (["--warmup-seconds", "0", "--save-warmup", "w"], 1, "--warmup-seconds 0.0 must be a finite"),
     (["--warmup-until", "0", "--save-warmup", "w"], 1, "--warmup-until 0 must be in [1, "),
     (["--resume-warmup", "/nonexistent/w"], 1, "--resume-warmup /nonexistent/w is not a dir"),
@@ -71,6 +73,50 @@ def test_bad_layouts_and_sizes_are_named(tiny, argv, world, needle, monkeypatch)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     errors = _errors(tiny, ["--device", "cpu", *argv], world)
     assert any(needle in e for e in errors), errors
+
+
+@pytest.mark.parametrize("argv,needle", [
+    # fresh-user check 2026-12-01 s10: each of these passed --check-only and then trained
+    # wrongly (a negative --clip-grad or --lr flips the update) or failed inside the run
+    (["--quick", "--layers", "0"], "--layers 0 must be >= 1"),
+    (["--quick", "--hidden", "0"], "--hidden 0 must be >= 1"),
+    (["--quick", "--ffn-hidden", "0"], "--ffn-hidden 0 must be >= 1"),
+    (["--quick", "--lr", "-1"], "--lr -1.0 must be a finite number > 0"),
+    (["--quick", "--lr", "nan"], "--lr nan must be a finite number > 0"),
+    (["--quick", "--clip-grad", "-1"], "--clip-grad -1.0 must be a finite number > 0"),
+    (["--quick", "--rotary-base", "0"], "--rotary-base 0 must be >= 1"),
+    (["--quick", "--probe-interval", "-1"], "--probe-interval -1 must be >= 0"),
+    (["--quick", "--probe-rows", "0"], "--probe-rows 0 must be >= 1"),
+    (["--quick", "--task", "retrieval", "--answer-weight", "-1"],
+     "--answer-weight -1.0 must be a finite number > 0"),
+    (["--quick", "--task", "retrieval", "--answer-weight", "nan"],
+     "--answer-weight nan must be a finite number > 0"),
+    (["--quick", "--task", "retrieval", "--min-distance", "-5"], "--min-distance -5 must be >= 0"),
+    (["--quick", "--task", "retrieval", "--eval-interval", "-1"],
+     "--eval-interval -1 must be >= 0"),
+    (["--quick", "--log-interval", "0"], "--log-interval 0 must be >= 1"),
+])
+def test_bad_numbers_are_named(tiny, argv, needle):
+    errors = _errors(tiny, ["--device", "cpu", *argv])
+    assert any(needle in e for e in errors), errors
+    if "--log-interval" in argv:  # only the flag at fault is named
+        assert not any("--eval-windows" in e for e in errors), errors
+
+
+def test_no_baseline_with_other_runs_is_refused(tiny, capsys):
+    assert tiny.parse_args(["--no-baseline", "--runs", "msa"]).runs == ["msa"]
+    with pytest.raises(SystemExit) as exit_info:
+        tiny.parse_args(["--no-baseline", "--runs", "msa,dense"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--no-baseline (same as --runs msa) contradicts " \
+        "--runs msa,dense" in err, err
+
+
+def test_task_len_zero_is_refused_not_a_traceback(tiny, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        tiny.parse_args(["--quick", "--task", "retrieval", "--task-len", "0"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--task-len (0) must divide --seq-len" in err, err
 
 
 def test_cuda_without_a_gpu_says_so(tiny, monkeypatch):

@@ -906,8 +906,8 @@ def resolved_setting(settings: Dict[str, object], key: str) -> object:
     (``runs/r8192``, ``./runs/r8192`` and its absolute path are one; a relative path resolves
     against the working directory, where the chained runs start). Other keys: as saved."""
     value = settings.get(key)
-    if key == "index_heads" and value is None:
-        return settings.get("query_groups")
+    if key == "index_heads" and value is None:  # the config's own default, not restated here
+        return MSAConfig(index_heads=None).resolved_index_heads(settings.get("query_groups"))
     if key == "init_weights" and value is not None:
         return str(Path(value).resolve())
     return value

@@ -271,6 +271,18 @@ def test_index_heads_left_at_the_default_equals_its_resolved_value(tiny, tmp_pat
         f"--load-warmup {four} was saved with other settings (saved, now): index_heads=4/2"]
 
 
+def test_unset_index_heads_follow_the_config_rule(tiny, monkeypatch):
+    """The default number of index heads is MSAConfig.resolved_index_heads' rule, read from
+    there (not restated by the example): a changed rule changes what a saved warm-up's unset
+    index_heads compares as."""
+    settings = {"index_heads": None, "query_groups": 2}
+    assert tiny.resolved_setting(settings, "index_heads") == 2
+    assert tiny.resolved_setting({"index_heads": 4, "query_groups": 2}, "index_heads") == 4
+    monkeypatch.setattr(tiny.MSAConfig, "resolved_index_heads",
+                        lambda self, groups: 3 * groups)
+    assert tiny.resolved_setting(settings, "index_heads") == 6
+
+
 @pytest.mark.parametrize("flag,step,extra", [
     ("--init-weights", 3, []), ("--load-warmup", 6, []),
     ("--resume-warmup", 3, ["--save-warmup", "{dir}"])])

@@ -4,7 +4,8 @@
     python examples/retrieval_report.py --from-json retrieval_r32768.json [--out-dir DIR]
 
 Reads ``<dir>/<run>/metrics.json`` (written by ``examples/pretrain_tiny.py --task retrieval``;
-also the stored ``<dir>/metrics_<run>.json.gz`` of ``benchmarks/results/``) and writes
+also the stored ``<dir>/metrics_<run>.json.gz`` of ``benchmarks/results/``, and
+``<dir>/metrics.json`` itself: the ``--out-dir`` of one ``pretrain_tiny.py`` run) and writes
 ``<dir>/retrieval.json`` (every run's held-out retrieval metrics, curves and arguments),
 ``<dir>/retrieval.md`` (the comparison table, and "record block chosen" per
 layer and index head) and ``<dir>/retrieval.png``
@@ -38,7 +39,8 @@ COLORS = {"msa": "tab:red", "dense": "tab:blue", "random": "tab:green", "local":
 WARMUP_COLOR = "black"  # the warm-up every variant starts from
 
 
-PATTERNS = ("*/metrics.json", "*/metrics.json.gz", "metrics_*.json", "metrics_*.json.gz")
+PATTERNS = ("*/metrics.json", "*/metrics.json.gz", "metrics_*.json", "metrics_*.json.gz",
+            "metrics.json", "metrics.json.gz")  # the last two: one pretrain_tiny.py --out-dir
 
 
 def _read(path: Path) -> Dict:
@@ -50,17 +52,18 @@ def _read(path: Path) -> Dict:
 
 def load_runs(directory: Path, notes: Optional[List[str]] = None) -> Dict[str, Dict]:
     """``{run name: run record}`` from the metrics files below ``directory``: every
-    ``*/metrics.json`` (``examples/run_retrieval.sh``, ``benchmarks/gpu_retrieval*.sh``) and
-    the stored form ``metrics_<run>.json.gz`` of ``benchmarks/results/``. Appends to ``notes``
-    (when given) what is missing: a run whose log or directory is there (or that a record's
+    ``*/metrics.json`` (``examples/run_retrieval.sh``, ``benchmarks/gpu_retrieval*.sh``),
+    the stored form ``metrics_<run>.json.gz`` of ``benchmarks/results/`` and ``metrics.json``
+    in ``directory`` itself (the ``--out-dir`` of one ``examples/pretrain_tiny.py`` run). Appends
+    to ``notes`` (when given) what is missing: a run whose log or directory is there (or that a record's
     ``--runs`` lists) without metrics, an unreadable file, a run found twice (the first one is
     kept).
 
     Raises SystemExit with the places looked at when no run is found."""
     if not directory.is_dir():
         raise SystemExit(f"{directory} is not a directory (give the OUT of run_retrieval.sh, "
-                         "the runs/<name> of gpu_retrieval_chain.sh or a benchmarks/results "
-                         "directory)")
+                         "the runs/<name> of gpu_retrieval_chain.sh, a benchmarks/results "
+                         "directory or the --out-dir of one pretrain_tiny.py run)")
     runs: Dict[str, Dict] = {}
     notes = [] if notes is None else notes
     expected: List[str] = []
@@ -363,8 +366,9 @@ def plot(runs: Dict[str, Dict], path: Path) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("directory", type=Path, nargs="?",
-                        help="OUT of run_retrieval.sh, runs/<name> of gpu_retrieval_chain.sh or "
-                             "a benchmarks/results directory")
+                        help="OUT of run_retrieval.sh, runs/<name> of gpu_retrieval_chain.sh, "
+                             "a benchmarks/results directory or the --out-dir of one "
+                             "pretrain_tiny.py run")
     parser.add_argument("--from-json", type=Path, default=None, metavar="FILE",
                         help="redraw the table and the plot from a retrieval.json this script "
                              "wrote (instead of a directory): FILE's stem .md and .png")

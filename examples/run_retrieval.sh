@@ -49,12 +49,6 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # shellcheck source=out_files.sh
 source examples/out_files.sh   # msa_out_files, msa_warn_out_files: the device tool's 8 files
 
-mkdir -p "$OUT"
-# The report reads every $OUT/*/metrics.json: drop those of an earlier run into the same OUT, so
-# that a variant not run (or failed) this time cannot show its old numbers.
-rm -f "$OUT"/*/metrics.json "$OUT"/retrieval.json "$OUT"/retrieval.md "$OUT"/retrieval.png \
-    "$OUT"/retrieval_logs.tgz
-status=0
 # Held-out exact match every 100 steps is the retrieval task's (pretrain_tiny refuses the
 # retrieval-only flags with --task text, which this script also serves).
 case " $* " in *" --task text "*|*" --task=text "*) EVAL=() ;; *) EVAL=(--eval-interval 100) ;; esac
@@ -62,6 +56,18 @@ COMMON=(--task retrieval --device "$DEVICE" --seq-len "$LEN" --steps "$STEPS"
         --warmup-steps "$WARMUP" --top-k "$TOPK" --block-size "$BLOCK" --layers 4 --hidden 256 --ffn-hidden 704
         --heads 4 --query-groups 2 --index-head-dim 64 --lr 2e-3 --lr-warmup 50
         --log-interval 50 ${EVAL[@]+"${EVAL[@]}"} --eval-windows 2)
+# The settings (these variables and the flags) are checked once, before OUT is touched: a
+# refused run leaves an earlier run's results in OUT as they were (exit 2, pretrain_tiny.py's
+# message).
+"$PYTHON" examples/pretrain_tiny.py "${COMMON[@]}" --runs "$RUNS" --out-dir "$OUT/variants" \
+    "$@" --check-only >/dev/null || exit 2
+
+mkdir -p "$OUT"
+# The report reads every $OUT/*/metrics.json: drop those of an earlier run into the same OUT, so
+# that a variant not run (or failed) this time cannot show its old numbers.
+rm -f "$OUT"/*/metrics.json "$OUT"/retrieval.json "$OUT"/retrieval.md "$OUT"/retrieval.png \
+    "$OUT"/retrieval_logs.tgz
+status=0
 if [ "${PARALLEL:-0}" = 1 ]; then
     # The dense variant's process trains the warm-up and saves it (same --steps, so the same
     # learning-rate schedule); once saved, every other variant starts from it as its own

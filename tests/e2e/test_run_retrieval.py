@@ -36,6 +36,27 @@ def test_pack_must_be_0_or_1(tmp_path):
     assert not (tmp_path / "out").exists()  # nothing was started
 
 
+@pytest.mark.parametrize("env,needle", [
+    ({"LEN": "100"}, "must divide --seq-len (100)"),
+    ({"RUNS": "msa,foo"}, "--runs takes distinct names"),
+    ({"STEPS": "1"}, "--warmup-steps 2 must be in [0, --steps 1]"),
+])
+def test_bad_settings_are_refused_before_out_is_touched(tmp_path, env, needle):
+    """Fresh-user check 2026-12-01 s10: a refused setting used to delete the earlier run's
+    report and metrics in OUT first, exit 1 and add "no metrics under ..."; now exit 2 with
+    pretrain_tiny.py's one message, OUT as it was."""
+    out = tmp_path / "out"
+    (out / "msa").mkdir(parents=True)
+    kept = [out / "msa" / "metrics.json", out / "retrieval.md", out / "retrieval.json"]
+    for path in kept:
+        path.write_text("{}")
+    proc = _run({"OUT": str(out), **env}, *TINY)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert needle in proc.stderr and "no metrics" not in proc.stderr, proc.stderr
+    assert all(path.is_file() for path in kept)
+    assert sorted(p.name for p in out.iterdir()) == ["msa", "retrieval.json", "retrieval.md"]
+
+
 def _count_out_files(directory, script="some_script.sh"):
     """examples/out_files.sh sourced by bash: (count printed, stderr of the warning check)."""
     proc = subprocess.run(["bash", "-c", "set -euo pipefail; source examples/out_files.sh; "

@@ -11,7 +11,7 @@ import pytest
 import torch
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from msa_megatron import MSAConfig, msa_attention
+from msa_megatron import MSAConfig, msa_attention, select_blocks
 from msa_megatron.megatron import get_gpt_layer_msa_spec
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -49,7 +49,7 @@ def _real_signature(function) -> str:
     return ", ".join(parts)
 
 
-@pytest.mark.parametrize("function", [get_gpt_layer_msa_spec, msa_attention],
+@pytest.mark.parametrize("function", [get_gpt_layer_msa_spec, msa_attention, select_blocks],
                          ids=lambda f: f.__name__)
 def test_readme_signature_is_the_real_one(function):
     assert _shown_signature(function.__name__) == _real_signature(function)

@@ -65,7 +65,9 @@
 # exact match 0.969 / 0.927 / 0.255 / 0.151, recall 0.893 / 0.874 / 0.651 / 0.397, best recall
 # 0.901 / 0.884 / 0.849 / 0.397.
 #
-# Environment: LEN_TASK (8192), WINDOW (16384 tokens per step), WARMUP (dense steps, 9000; >= 1),
+# Environment: MASTER_PORT (29651: the warm-up link's rendezvous port; lane B +100, the
+# variant lanes +10 to +13; set another for two calls on one host), LEN_TASK (8192), WINDOW
+# (16384 tokens per step), WARMUP (dense steps, 9000; >= 1),
 # STEPS (WARMUP + 400), TOPK (8), LR (3e-3), KEYS (32), VALUES (8), GATE (1.0: the longest
 # training length doubles whenever the mean training answer loss over 50 steps is below it),
 # EXTRA (more flags for every lane; later flags win), TAG (names a second warm-up of the same
@@ -96,7 +98,7 @@ case "$PHASE" in warmup|variants) ;;
     *) echo "gpu_retrieval_chain.sh: PHASE=$PHASE: use PHASE=warmup or PHASE=variants" >&2
        exit 2 ;;
 esac
-for var in LEN_TASK WINDOW WARMUP STEPS TOPK WARMUP_S FINISH_S LANE_S; do
+for var in LEN_TASK WINDOW WARMUP STEPS TOPK WARMUP_S FINISH_S LANE_S MASTER_PORT; do
     case "${!var:-1}" in
         ''|*[!0-9]*) echo "gpu_retrieval_chain.sh: $var=${!var} must be a whole number" >&2
                      exit 2 ;;
@@ -117,7 +119,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 . examples/out_files.sh  # msa_out_files, msa_warn_out_files: the device tool's 8 files
 LEN_TASK=${LEN_TASK:-8192}; WINDOW=${WINDOW:-16384}; WARMUP=${WARMUP:-9000}
 STEPS=${STEPS:-$((WARMUP + 400))}; TOPK=${TOPK:-8}; WARMUP_S=${WARMUP_S:-470}
-FINISH_S=${FINISH_S:-300}; LANE_S=${LANE_S:-240}
+FINISH_S=${FINISH_S:-300}; LANE_S=${LANE_S:-240}; PORT_BASE=$((10#${MASTER_PORT:-29651}))
 NAME=r$LEN_TASK${TAG:-}; R=runs/$NAME
 if [ -n "${INIT:-}" ] && [ "$INIT" = "$NAME" ]; then
     echo "gpu_retrieval_chain.sh: INIT=$INIT is this run's own warm-up: name another" >&2
@@ -210,7 +212,7 @@ link() {  # train the warm-up for $1 seconds (continuing a saved one), save it; 
     [ -f "$SAVED" ] && resume=(--resume-warmup "$R/warmup")
     [ -n "${INIT:-}" ] && resume+=(--init-weights "runs/$INIT/warmup")  # every link: same flags
     from=$(($(cat "$R/warmup.log" 2>/dev/null | wc -l) + 1))  # this link's lines start there
-    CUDA_VISIBLE_DEVICES=0 MASTER_PORT=29651 timeout $(($1 + 240)) python3 \
+    CUDA_VISIBLE_DEVICES=0 MASTER_PORT=$PORT_BASE timeout $(($1 + 240)) python3 \
         examples/pretrain_tiny.py $RECIPE --runs dense "${resume[@]}" --save-warmup "$R/warmup" \
         --warmup-seconds "$1" --out-dir "$R/dense" >> "$R/warmup.log" 2>&1
     status=$?
@@ -244,7 +246,7 @@ if [ "$PHASE" = warmup ]; then
         echo "B_FLAGS set but only $gpus GPU: lane B does not run"
     elif [ -n "${B_FLAGS:-}" ]; then
         rm -rf "$R/b_warmup"  # lane B starts from scratch every call
-        CUDA_VISIBLE_DEVICES=1 MASTER_PORT=29751 timeout $((WARMUP_S + 240)) python3 \
+        CUDA_VISIBLE_DEVICES=1 MASTER_PORT=$((PORT_BASE + 100)) timeout $((WARMUP_S + 240)) python3 \
             examples/pretrain_tiny.py $RECIPE $B_FLAGS --runs dense --save-warmup "$R/b_warmup" \
             --warmup-seconds "$WARMUP_S" --out-dir "$R/b" > "$R/b.log" 2>&1 &
     fi
@@ -270,7 +272,7 @@ if [ "$done_steps" -lt "$WARMUP" ]; then
     [ -f "$SAVED" ] && pack
     finish_link 1
 fi
-port=29660; i=0; pids=()
+port=$((PORT_BASE + 9)); i=0; pids=()
 rm -f "$R"/{msa,random,local,dense}/metrics.json  # the report must not show an earlier call's
 visible=(${CUDA_VISIBLE_DEVICES:+${CUDA_VISIBLE_DEVICES//,/ }})
 for run in msa random local dense; do

@@ -6,6 +6,7 @@ back to CPU when no CUDA device is visible and EXTRA shrinks the recipe."""
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import subprocess
 import tarfile
@@ -34,8 +35,9 @@ def tree(tmp_path):
 
 def _chain(root, out, **env):
     full = dict(os.environ, OMP_NUM_THREADS="1", OUT=str(out), LEN_TASK="256", WINDOW="512",
-                WARMUP="6", STEPS="8", TAG="_t", EXTRA=TINY, CUDA_VISIBLE_DEVICES="")
-    full.update(env)
+                WARMUP="6", STEPS="8", TAG="_t", EXTRA=TINY, CUDA_VISIBLE_DEVICES="",
+                MASTER_PORT=str(20000 + random.randrange(15000)))  # not the fixed default:
+    full.update(env)                                                # other runs on the host
     return subprocess.run(["bash", SCRIPT], cwd=root, env=full, capture_output=True, text=True,
                           timeout=600)
 
@@ -47,6 +49,8 @@ def test_unknown_phase_is_refused(tree, tmp_path):
     assert not (tree / "runs").exists()  # nothing was started
     proc = _chain(tree, tmp_path / "out", PHASE="warmup", WARMUP_S="1.5")
     assert proc.returncode == 2 and "WARMUP_S=1.5 must be a whole number" in proc.stderr
+    proc = _chain(tree, tmp_path / "out", PHASE="warmup", MASTER_PORT="port")
+    assert proc.returncode == 2 and "MASTER_PORT=port must be a whole number" in proc.stderr
     assert not (tree / "runs").exists()
 
 

@@ -30,7 +30,8 @@ from ._common import (
     partial_budget, persistent_programs, row_filter, stage_options, support_mask, tile_rows,
 )
 from ._isolation import launch_both, nonfinite, nonfinite_flag, skip, support_mma
-from .forward import LOG2E, _tile_pairs, _tile_valid, query_rows, query_tiling, warps_for
+from .forward import (LOG2E, _tile_pairs, _tile_valid, query_rows, query_tiling,
+                      sub_chunk_rows, warps_for)
 from .reverse_index import (
     SUB_CHUNKS, ReverseIndex, bucket_pairs, bucket_rows, build_reverse_index, chunk_count,
     chunk_tokens_bound, query_tile_ranges,
@@ -344,15 +345,8 @@ def sum_partials_kernel(
     KP: tl.constexpr = (1 if TOPK <= 1 else 2 if TOPK <= 2 else 4 if TOPK <= 4 else
                         8 if TOPK <= 8 else 16 if TOPK <= 16 else 32)
     i = tl.program_id(1)
-    t0 = tl.load(sub_t0_ptr + sc0)
-    r = tl.arange(0, R)
-    tc = tl.program_id(0) * TOK + r // HR
-    hl = r % HR
-    t = t0 + tc
-    valid = row_filter((tc < tl.load(sub_t0_ptr + sc1) - t0) & (hl < HPI), t, i, full_ptr, HI,
-                       FULL)
-    pos = tl.load(qpos_ptr + t, mask=valid, other=-1)
-    t64 = t.to(tl.int64)
+    tc, hl, t64, valid, pos = sub_chunk_rows(sub_t0_ptr, sc0, sc1, qpos_ptr, full_ptr, i, HPI,
+                                             HR, TOK, HI, FULL)
     if TOPK <= 32:  # slot s written: bit s
         sl = tl.arange(0, KP)
         blk = tl.load(bidx_ptr + t64[:, None] * s_bt + i * s_bh + sl[None, :],

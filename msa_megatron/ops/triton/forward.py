@@ -60,6 +60,24 @@ def query_rows(tile, i, Tq, qpos_ptr, qkb_ptr, full_ptr, HPI: tl.constexpr, HR: 
 
 
 @triton.jit
+def sub_chunk_rows(sub_t0_ptr, sc0, sc1, qpos_ptr, full_ptr, i, HPI: tl.constexpr,
+                   HR: tl.constexpr, TOK: tl.constexpr, HI: tl.constexpr, FULL: tl.constexpr):
+    """Rows of a program of the per-row slot sums (merge, dQ / dq_idx sum) over sub-chunks
+    ``sc0 .. sc1 - 1``: ``(tc, hl, t64, valid, pos)``, each ``[TOK*HR]``: the token relative
+    to the first sub-chunk, the head slot, the token (int64), the rows that hold a real token
+    and head (filtered by :func:`._common.row_filter`) and their positions."""
+    t0 = tl.load(sub_t0_ptr + sc0)
+    r = tl.arange(0, TOK * HR)
+    tc = tl.program_id(0) * TOK + r // HR
+    hl = r % HR
+    t = t0 + tc
+    valid = row_filter((tc < tl.load(sub_t0_ptr + sc1) - t0) & (hl < HPI), t, i, full_ptr, HI,
+                       FULL)
+    pos = tl.load(qpos_ptr + t, mask=valid, other=-1)
+    return tc, hl, t.to(tl.int64), valid, pos
+
+
+@triton.jit
 def pair_rows(pair_ptr, p0, hi, f0, HI: tl.constexpr, TOPK: tl.constexpr, HPI: tl.constexpr,
               HR: tl.constexpr, TOK: tl.constexpr):
     """Rows of a key-block-outer tile: ``TOK`` sorted pairs from ``p0`` (< ``hi``) x ``HR``
@@ -260,15 +278,8 @@ def _attn_merge_kernel(
     """
     R: tl.constexpr = TOK * HR
     i = tl.program_id(1)
-    t0 = tl.load(sub_t0_ptr + sc0)
-    r = tl.arange(0, R)
-    tc = tl.program_id(0) * TOK + r // HR
-    hl = r % HR
-    t = t0 + tc
-    valid = row_filter((tc < tl.load(sub_t0_ptr + sc1) - t0) & (hl < HPI), t, i, full_ptr, HI,
-                       FULL)
-    pos = tl.load(qpos_ptr + t, mask=valid, other=-1)
-    t64 = t.to(tl.int64)
+    tc, hl, t64, valid, pos = sub_chunk_rows(sub_t0_ptr, sc0, sc1, qpos_ptr, full_ptr, i, HPI,
+                                             HR, TOK, HI, FULL)
     sl = tl.arange(0, KP)
     blk = tl.load(bidx_ptr + t64[:, None] * s_bt + i * s_bh + sl[None, :],
                   mask=valid[:, None] & (sl < TOPK)[None, :], other=-1)

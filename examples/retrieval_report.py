@@ -54,10 +54,10 @@ def load_runs(directory: Path, notes: Optional[List[str]] = None) -> Dict[str, D
     """``{run name: run record}`` from the metrics files below ``directory``: every
     ``*/metrics.json`` (``examples/run_retrieval.sh``, ``benchmarks/gpu_retrieval*.sh``),
     the stored form ``metrics_<run>.json.gz`` of ``benchmarks/results/`` and ``metrics.json``
-    in ``directory`` itself (the ``--out-dir`` of one ``examples/pretrain_tiny.py`` run). Appends
-    to ``notes`` (when given) what is missing: a run whose log or directory is there (or that a record's
-    ``--runs`` lists) without metrics, an unreadable file, a run found twice (the first one is
-    kept).
+    in ``directory`` itself (the ``--out-dir`` of one ``examples/pretrain_tiny.py`` run).
+    Appends to ``notes`` (when given) what is missing: a run whose log or directory is there (or
+    that a record's ``--runs`` lists) without metrics, an unreadable file, a run found twice (the
+    first one is kept).
 
     Raises SystemExit with the places looked at when no run is found."""
     if not directory.is_dir():

@@ -665,6 +665,10 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true", help="also time tile-size variants")
     parser.add_argument("--profile-only", default=None,
                         help="run the whole op once for this config and exit (for ncu)")
+    parser.add_argument("--profile-mode", default="sparse", choices=("sparse", "dense"),
+                        help="the op's mode for --profile-only")
+    parser.add_argument("--profile-dist", default="iid", choices=DISTS,
+                        help="the index inputs for --profile-only")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     import triton
@@ -677,8 +681,8 @@ def main() -> int:
     dims = DRY_DIMS if args.dry_run else DIMS
     if args.profile_only:
         heads_name, t, packed = CONFIGS[args.profile_only]
-        _, _, x, _ = config_inputs(heads_name, t, packed, dims, "iid", device)
-        whole_op(x, dims, "sparse")
+        _, _, x, _ = config_inputs(heads_name, t, packed, dims, args.profile_dist, device)
+        whole_op(x, dims, args.profile_mode)
         torch.cuda.synchronize()
         return 0
     if device.type == "cuda":

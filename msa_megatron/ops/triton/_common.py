@@ -62,12 +62,8 @@ KEY_SUBTILE = 64
 # Per-(pair, head) partial results of one chunk of query tokens may take PARTIAL_QS times the
 # bytes of q, at least PARTIAL_MIN_BYTES; larger selections are processed in up to 16 chunks of
 # query tokens (BENCHMARK.md: a partial per (token, head, block) for all 128K tokens would be
-# 32 GiB, 16x q). Each chunk's launches end on a tail of idle multiprocessors (ncu, paper 32K:
-# 11-16% of the item kernels' time), so fewer chunks are faster: measured on the H200 (paper,
-# whole op fwd+bwd iid, benchmarks/NOTES.md "Chunk count"), 2 / 4 / 8 x q gave 52.4 / 49.6 /
-# 47.6 ms at 32K and 195.8 / 194.4 / 191.5 at 128K, with the op's peak at 0.75x / 0.95x / 1.34x
-# dense cuDNN's at 32K: 4 is the largest that keeps the peak under cuDNN's.
-PARTIAL_QS = 4
+# 32 GiB, 16x q; twice q keeps the whole op's peak near the dense baseline's).
+PARTIAL_QS = 2
 PARTIAL_MIN_BYTES = 64 << 20
 # Programs per multiprocessor of the persistent key-block-outer kernels.
 PROGRAMS_PER_SM = 4

@@ -681,9 +681,11 @@ def main() -> int:
     dims = DRY_DIMS if args.dry_run else DIMS
     if args.profile_only:
         heads_name, t, packed = CONFIGS[args.profile_only]
-        _, _, x, _ = config_inputs(heads_name, t, packed, dims, args.profile_dist, device)
+        _, _, x, _ = config_inputs(heads_name, 48 if args.dry_run else t, packed, dims,
+                                   args.profile_dist, device)
         whole_op(x, dims, args.profile_mode)
-        torch.cuda.synchronize()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         return 0
     if device.type == "cuda":
         ceilings(run)

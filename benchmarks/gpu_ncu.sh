@@ -23,8 +23,10 @@ if [ ${#KERNELS[@]} -eq 0 ]; then
 fi
 work=/tmp/ncu_${CONFIG}_${MODE}_${DIST}
 rm -rf "$work"; mkdir -p "$work"
+# PROFILE_ARGS: more bench_kernels.py flags (the CPU test passes --dry-run)
+# shellcheck disable=SC2206
 step=(python3 benchmarks/bench_kernels.py /tmp/ncu_unused.json --profile-only "$CONFIG"
-      --profile-mode "$MODE" --profile-dist "$DIST")
+      --profile-mode "$MODE" --profile-dist "$DIST" ${PROFILE_ARGS:-})
 t0=$(date +%s)
 if [ "${LAUNCHES:-one}" = all ]; then
     regex=$(IFS='|'; echo "${KERNELS[*]}")

@@ -156,3 +156,38 @@ def test_reverse_index_is_cached_per_selection():
     assert ri.build_reverse_index(block_idx, q_pos, q_kbase, 40, 16, 1) is first
     block_idx.add_(0)  # an in-place write (version bump) invalidates the cached index
     assert ri.build_reverse_index(block_idx, q_pos, q_kbase, 40, 16, 1) is not first
+
+
+def test_reverse_index_of_inference_tensors_is_built_not_cached():
+    """Tensors made under ``torch.inference_mode()`` have no version counter, so the cache key
+    could not be read ("Inference tensors do not track version counter"): the index is built
+    every time instead, and equals the one of normal tensors."""
+    from msa_megatron.ops.triton import reverse_index as ri
+
+    cu = torch.tensor([0, 40], dtype=torch.int32, device=DEVICE)
+    q_pos, q_kbase = query_layout(cu, 40, DEVICE)
+    block_idx = _selection(q_pos.cpu(), 2, 2, 16, torch.Generator().manual_seed(1))
+    expected = ri.build_reverse_index(block_idx, q_pos, q_kbase, 40, 16, 1)
+    with torch.inference_mode():
+        inf_idx, inf_pos, inf_kbase = block_idx.clone(), q_pos.clone(), q_kbase.clone()
+        first = ri.build_reverse_index(inf_idx, inf_pos, inf_kbase, 40, 16, 1)
+        inf_idx.add_(0)  # no version bump to see: a cached index could go stale unnoticed
+        assert ri.build_reverse_index(inf_idx, inf_pos, inf_kbase, 40, 16, 1) is not first
+    used = int(expected.off[-1])  # the tail of ``pair`` is unused
+    assert torch.equal(first.off, expected.off)
+    assert torch.equal(first.pair[:used], expected.pair[:used])
+
+
+def test_msa_attention_runs_under_inference_mode():
+    """Evaluation under ``torch.inference_mode()`` with the triton backend (the default on
+    CUDA) gives the torch backend's result."""
+    from msa_megatron import msa_attention
+
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.randn(37, h, 16, generator=gen).to(DEVICE) for h in (4, 2, 2, 2, 1)]
+    cu = torch.tensor([0, 20, 37], dtype=torch.int32, device=DEVICE)
+    with torch.inference_mode():
+        out, kl = msa_attention(*xs, cu, block_size=16, top_k=2, backend="triton")
+    ref_out, ref_kl = msa_attention(*xs, cu, block_size=16, top_k=2, backend="torch")
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kl, ref_kl, atol=1e-6, rtol=1e-5)

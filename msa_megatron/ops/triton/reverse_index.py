@@ -314,7 +314,8 @@ def build_reverse_index(
 ) -> ReverseIndex:
     """Reverse index of ``block_idx [Tq, Hi, k]`` (cached on the tensor: built once per
     selection and reused by the forward, the KL and the backward while it is alive and
-    unmodified).
+    unmodified; built every time for tensors made under ``torch.inference_mode()``, which have
+    no version counter to tell an unmodified tensor by).
 
     Args:
         block_idx: ``[Tq, Hi, k]`` int32 contiguous selection (``-1`` unused; blocks past the
@@ -324,6 +325,8 @@ def build_reverse_index(
         block_size: B.
         num_kv_heads: Hkv.
     """
+    if block_idx.is_inference() or q_pos.is_inference() or q_kbase.is_inference():
+        return _build(block_idx, q_pos, q_kbase, num_keys, block_size, num_kv_heads)
     key = (block_idx._version, q_pos.data_ptr(), q_kbase.data_ptr(), q_pos._version,
            q_kbase._version, num_keys, block_size, num_kv_heads)
     hit = _CACHE.get(id(block_idx))

@@ -48,6 +48,7 @@ blocks, only slower.
 from __future__ import annotations
 
 import collections
+import numbers
 import warnings
 from dataclasses import dataclass
 from typing import Any, Deque, Iterable, Optional, Union
@@ -429,9 +430,27 @@ def _sbhd_to_thd(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(0, 1).reshape(-1, *t.shape[2:])
 
 
+def model_chunks(model: Union[torch.nn.Module, Iterable[torch.nn.Module]]) -> list:
+    """``[model]`` for a module, the chunks of megatron's list of model chunks otherwise.
+
+    Raises:
+        TypeError: ``model`` is neither a module nor an iterable of modules.
+    """
+    if isinstance(model, torch.nn.Module):
+        return [model]
+    try:
+        chunks = list(model)
+    except TypeError:  # not iterable
+        chunks = None
+    if chunks is None or not all(isinstance(c, torch.nn.Module) for c in chunks):
+        raise TypeError(f"model must be a torch.nn.Module or a list of them (model chunks), got "
+                        f"{type(model).__name__}"
+                        + ("" if chunks is None else f" of {[type(c).__name__ for c in chunks]}"))
+    return chunks
+
+
 def _msa_cores(model: Union[torch.nn.Module, Iterable[torch.nn.Module]]):
-    chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
-    for chunk in chunks:
+    for chunk in model_chunks(model):
         for module in chunk.modules():
             if isinstance(module, MSACoreAttention):
                 yield module
@@ -464,7 +483,17 @@ def apply_msa_warmup(model: Union[torch.nn.Module, Iterable[torch.nn.Module]], s
     """Dense for the first ``dense_steps`` training steps, sparse afterwards.
 
     Call at the start of every step (``step`` counted from 0). Returns the mode in force.
+
+    Raises:
+        TypeError: ``step`` or ``dense_steps`` is not an int; ``model`` is not a module or a
+            list of them.
+        ValueError: ``step`` or ``dense_steps`` is negative.
     """
+    for name, value in (("step", step), ("dense_steps", dense_steps)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
     mode = "dense" if step < dense_steps else "sparse"
     for core in _msa_cores(model):
         if core.mode != mode:
@@ -484,8 +513,7 @@ def index_branch_parameters(model: Union[torch.nn.Module, Iterable[torch.nn.Modu
 
     Used to freeze the index (a "random index" baseline) or to give it its own optimizer group.
     """
-    chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
-    for chunk in chunks:
+    for chunk in model_chunks(model):
         for module in chunk.modules():
             if isinstance(module, MSASelfAttention):
                 yield from module.index.parameters()

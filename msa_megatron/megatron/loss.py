@@ -23,6 +23,8 @@ times the fp16 loss scale, times the CP size when megatron scales the LM loss by
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Optional, Union
 
 import torch
@@ -69,12 +71,27 @@ def set_kl_loss_scale(scale: Union[float, torch.Tensor]) -> None:
     """Set the factor the KL gradient is multiplied by (besides ``kl_coeff``).
 
     Args:
-        scale: the pipeline schedule's loss scale (0-dim tensor or float), e.g.
-            ``1 / num_microbatches``. On megatron-core >= 0.19 the schedule calls this itself.
+        scale: the pipeline schedule's loss scale (a 1-element tensor or a finite number >= 0),
+            e.g. ``1 / num_microbatches``. On megatron-core >= 0.19 the schedule calls this
+            itself. A tensor's value is not read here (that would wait for the device).
+
+    Raises:
+        TypeError: neither a number nor a tensor.
+        ValueError: a tensor of more than one element, or a number that is negative or not
+            finite.
     """
     global _loss_scale
-    _loss_scale = scale.detach().clone() if isinstance(scale, torch.Tensor) else torch.tensor(
-        float(scale))
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ValueError(f"scale must be a 1-element tensor, got shape {list(scale.shape)}")
+        _loss_scale = scale.detach().clone()
+        return
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a float or a 1-element tensor, got "
+                        f"{type(scale).__name__}")
+    if not (math.isfinite(scale) and scale >= 0):
+        raise ValueError(f"scale must be a finite number >= 0, got {scale}")
+    _loss_scale = torch.tensor(float(scale))
 
 
 def schedule_loss_scale(config, num_microbatches: int, cp_size: int = 1) -> torch.Tensor:

@@ -65,9 +65,19 @@ def get_gpt_layer_msa_spec(
         ModuleSpec of ``TransformerLayer``.
 
     Raises:
+        TypeError: ``msa_config`` is not an :class:`MSAConfig` (or None), ``use_te`` not a bool
+            or None, ``qk_layernorm`` not a bool.
         ImportError: ``use_te=True`` without Transformer Engine.
     """
-    msa_config = msa_config or MSAConfig()
+    if msa_config is None:
+        msa_config = MSAConfig()
+    if not isinstance(msa_config, MSAConfig):
+        raise TypeError(f"msa_config must be an MSAConfig or None, got "
+                        f"{type(msa_config).__name__} (from a dict of fields: MSAConfig(**fields))")
+    if use_te is not None and not isinstance(use_te, bool):
+        raise TypeError(f"use_te must be a bool or None, got {type(use_te).__name__}")
+    if not isinstance(qk_layernorm, bool):
+        raise TypeError(f"qk_layernorm must be a bool, got {type(qk_layernorm).__name__}")
     if use_te is None:
         use_te = compat.HAVE_TE
     if use_te and not compat.HAVE_TE:

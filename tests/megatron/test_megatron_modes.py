@@ -108,3 +108,45 @@ def test_metrics_reduction_over_tp_dp_pp():
     expected = {"msa/kl/layer_01": 11.5, "msa/kl/layer_02": 21.5, "msa/kl": 16.5}
     for metrics in results:
         assert metrics == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("step, dense_steps, error, match", [
+    ("3", 5, TypeError, "step must be an int"),
+    (2.5, 5, TypeError, "step must be an int"),
+    (True, 5, TypeError, "step must be an int"),
+    (2, None, TypeError, "dense_steps must be an int"),
+    (-1, 5, ValueError, "step must be >= 0"),
+    (2, -5, ValueError, "dense_steps must be >= 0"),
+])
+def test_warmup_refuses_bad_steps(step, dense_steps, error, match):
+    """A negative dense_steps, or a float step, silently picked a mode; a string or None failed
+    with a bare comparison error that named neither argument."""
+    from msa_megatron.megatron import apply_msa_warmup
+
+    with pytest.raises(error, match=match):
+        apply_msa_warmup(torch.nn.Linear(2, 2), step, dense_steps)
+
+
+@pytest.mark.parametrize("call", ["set_msa_mode", "apply_msa_warmup", "clear_selection_cache",
+                                  "index_branch_parameters"])
+@pytest.mark.parametrize("model", [None, "model", [torch.nn.Linear(2, 2), 3]])
+def test_model_walkers_refuse_non_modules(call, model):
+    """Every function that walks the model's MSA layers names ``model`` when it is not a module
+    or an iterable of modules (it failed with "'NoneType' object is not iterable", or with an
+    AttributeError of a string's characters)."""
+    import msa_megatron.megatron as mm
+
+    args = {"set_msa_mode": ("sparse",), "apply_msa_warmup": (0, 1)}.get(call, ())
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        list(getattr(mm, call)(model, *args) or ())
+
+
+def test_model_walkers_accept_modules_and_chunk_lists():
+    from msa_megatron.megatron import apply_msa_warmup, set_msa_mode
+
+    plain = torch.nn.Linear(2, 2)
+    assert set_msa_mode(plain, "sparse") == 0
+    assert set_msa_mode((plain, plain), "dense") == 0
+    assert [apply_msa_warmup([plain], s, dense_steps=2) for s in range(3)] == \
+        ["dense", "dense", "sparse"]
+    assert apply_msa_warmup(plain, 0, dense_steps=0) == "sparse"

@@ -58,6 +58,22 @@ def test_te_requested_without_te():
         get_gpt_layer_msa_spec(MSAConfig(), use_te=True)
 
 
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(msa_config={"top_k": 4}), TypeError, "msa_config must be an MSAConfig"),
+    (dict(msa_config={}), TypeError, "msa_config must be an MSAConfig"),
+    (dict(msa_config="dense"), TypeError, "msa_config must be an MSAConfig"),
+    (dict(use_te="no"), TypeError, "use_te must be a bool or None"),
+    (dict(qk_layernorm="no"), TypeError, "qk_layernorm must be a bool"),
+])
+def test_spec_refuses_bad_arguments(kwargs, error, match):
+    """A dict, an empty dict or a string is not an MSAConfig (an empty one was taken for the
+    defaults, a filled one failed only when the layer was built); a string flag was read as
+    True."""
+    msa_config = kwargs.pop("msa_config", None)
+    with pytest.raises(error, match=match):
+        get_gpt_layer_msa_spec(msa_config, **kwargs)
+
+
 def test_spec_object_for_megatron_lm(monkeypatch):
     """``--spec msa_megatron.megatron.spec gpt_layer_msa_spec``: a ModuleSpec (0.16 builders)
     that builders calling it with the config (0.19) turn into a config-matched spec."""
@@ -119,6 +135,33 @@ def test_loss_scale_hook_0_19_path():
         compat.install_kl_loss_scale_hook(other, set_kl_loss_scale)
     assert compat.install_kl_loss_scale_hook(SimpleNamespace(), set_kl_loss_scale) is False
     assert compat.has_loss_scale_hook(_config()) == (compat.megatron_core_version() >= (0, 19))
+
+
+@pytest.mark.parametrize("scale, error, match", [
+    ("abc", TypeError, "scale must be a float or a 1-element tensor"),
+    (None, TypeError, "scale must be a float or a 1-element tensor"),
+    (True, TypeError, "scale must be a float or a 1-element tensor"),
+    (float("nan"), ValueError, "scale must be a finite number >= 0"),
+    (float("inf"), ValueError, "scale must be a finite number >= 0"),
+    (-1.0, ValueError, "scale must be a finite number >= 0"),
+    (torch.ones(3), ValueError, "1-element"),
+])
+def test_kl_loss_scale_refuses_bad_values(scale, error, match):
+    """A NaN or negative scale would have scaled every index-branch gradient by it, silently;
+    a 3-element tensor failed only at backward."""
+    set_kl_loss_scale(0.5)
+    with pytest.raises(error, match=match):
+        set_kl_loss_scale(scale)
+    assert get_kl_loss_scale() == 0.5  # unchanged
+    set_kl_loss_scale(1.0)
+
+
+def test_kl_loss_scale_accepts_numbers_and_schedule_tensors():
+    for scale, expected in ((0, 0.0), (2, 2.0), (0.25, 0.25), (torch.tensor([0.5]), 0.5),
+                            (torch.tensor(0.125, dtype=torch.float64), 0.125)):
+        set_kl_loss_scale(scale)
+        assert get_kl_loss_scale() == expected
+    set_kl_loss_scale(1.0)
 
 
 def test_msa_only_keys():

@@ -81,10 +81,11 @@
 #
 # Exit status: 0 when the phase did its work; 2 for a saved warm-up of other settings (either
 # phase, before any training), for an unknown PHASE, a number that is not a whole one,
-# WARMUP=0 and STEPS <= WARMUP (all four before anything starts); PHASE=warmup: the link's
-# own when it failed (2: settings refused, 124: stopped by its timeout, its steps not saved);
-# PHASE=variants: 1 when the warm-up is not finished (its pieces come back for another link) or
-# a lane failed; 1 for carried pieces that do not unpack.
+# WARMUP=0, STEPS <= WARMUP and a recipe that pretrain_tiny.py --check-only refuses (its
+# message; all five before anything starts); PHASE=warmup: the link's own when it failed (2:
+# settings refused, 124: stopped by its timeout, its steps not saved); PHASE=variants: 1 when
+# the warm-up is not finished (its pieces come back for another link) or a lane failed; 1 for
+# carried pieces that do not unpack.
 #
 # Device tool, one GPU (the run of benchmarks/results/retrieval/gpu_2026-12-01_s8/):
 #   run(kind="nvidia-h200", carry=[".whl"], command="PHASE=warmup bash benchmarks/gpu_retrieval_chain.sh")
@@ -114,9 +115,9 @@ if [ -n "${STEPS:-}" ] && [ "$((10#$STEPS))" -le "$((10#${WARMUP:-9000}))" ]; th
          "train steps WARMUP+1 .. STEPS (default STEPS = WARMUP + 400)" >&2
     exit 2
 fi
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 . benchmarks/gpu_env.sh
 . examples/out_files.sh  # msa_out_files, msa_warn_out_files: the device tool's 8 files
+. examples/check_settings.sh  # msa_check_settings: pretrain_tiny.py --check-only
 LEN_TASK=${LEN_TASK:-8192}; WINDOW=${WINDOW:-16384}; WARMUP=${WARMUP:-9000}
 STEPS=${STEPS:-$((WARMUP + 400))}; TOPK=${TOPK:-8}; WARMUP_S=${WARMUP_S:-470}
 FINISH_S=${FINISH_S:-300}; LANE_S=${LANE_S:-240}; PORT_BASE=$((10#${MASTER_PORT:-29651}))
@@ -132,6 +133,14 @@ RECIPE="--task retrieval --record-format fused --seq-len $WINDOW --task-len $LEN
  --index-head-dim 64 --block-size 128 --top-k $TOPK --rotary-base 1000000 --lr ${LR:-3e-3}
  --lr-warmup 50 --warmup-steps $WARMUP --steps $STEPS --log-interval 100 --eval-interval 500
  --probe-interval 500 --eval-windows 6 ${EXTRA:-}"
+# The recipe as pretrain_tiny.py checks it (every lane's variant), before anything starts: the
+# shell checks above stay, as pretrain_tiny accepts a WARMUP and STEPS that the chain cannot use.
+if ! msa_check_settings python3 $RECIPE; then
+    echo "gpu_retrieval_chain.sh: pretrain_tiny.py refuses the recipe (LEN_TASK, WINDOW, WARMUP," \
+         "STEPS, TOPK, LR, KEYS, VALUES, GATE, EXTRA): nothing was started" >&2
+    exit 2
+fi
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 SAVED="$R/warmup/warmup_rank000_of001.pt"
 gpus=$(python3 -c "import torch; print(max(torch.cuda.device_count(), 1))")
 mkdir -p "$R"
@@ -198,9 +207,7 @@ finish_link() {  # finish_link STATUS: the warm-up's log into $OUT beside its pi
 check_saved() {  # check_saved FLAGS...: pretrain_tiny's check of the saved warm-up against
     # this call's settings (--check-only: nothing trains); exits 2, naming the fix, if refused
     [ -f "$SAVED" ] || return 0
-    local message
-    if ! message=$(python3 examples/pretrain_tiny.py $RECIPE "$@" --check-only 2>&1); then
-        printf '%s\n' "$message" | grep -v -i warn | tail -n 8 >&2
+    if ! msa_check_settings python3 $RECIPE "$@"; then
         echo "gpu_retrieval_chain.sh: the warm-up in $R (carried, or kept on this machine from" \
              "an earlier call) does not fit this call's settings: remove it (rm -rf $R" \
              "runs/carry) to start anew, or run with the settings it was saved with" >&2

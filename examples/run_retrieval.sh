@@ -14,12 +14,15 @@
 #
 # Environment: LEN (window tokens), STEPS, WARMUP (dense steps before the variants), TOPK,
 # BLOCK, RUNS (comma-separated), DEVICE (cuda | cpu), OUT (default runs/retrieval_$LEN),
-# PYTHON; PARALLEL=1: the dense run saves its warm-up (--save-warmup) and the other variants
-# start from it as their own processes, all at once (--load-warmup; set OMP_NUM_THREADS).
+# PYTHON; PARALLEL (0 or 1; default 0): 1 trains the warm-up in a process of its own, which
+# saves it (--save-warmup) and then trains the dense variant when RUNS names it (else it stops
+# at the end of the warm-up: --warmup-until), and every other variant of RUNS starts from it as
+# its own process, all at once (--load-warmup; set OMP_NUM_THREADS).
 # WARMUP_DIR (PARALLEL: where the warm-up is saved; default $OUT/warmup, with PACK=1
 # runs/retrieval_warmup_$LEN). Extra flags go to examples/pretrain_tiny.py (later flags win).
 # Writes $OUT/variants/metrics.json and its log (PARALLEL: $OUT/<variant>/metrics.json and
-# $OUT/<variant>.log), then $OUT/retrieval.json, a table ($OUT/retrieval.md) and plots
+# $OUT/<variant>.log; the warm-up's log is dense.log, or warmup.log when RUNS has no dense),
+# then $OUT/retrieval.json, a table ($OUT/retrieval.md) and plots
 # ($OUT/retrieval.png) from examples/retrieval_report.py.
 #
 # PACK=1 (for the device tool, which returns at most 8 files from its $OUT): at the end, every
@@ -43,11 +46,18 @@ OUT=${OUT:-runs/retrieval_$LEN}
 PYTHON=${PYTHON:-python3}
 PACK=${PACK:-0}
 case "$PACK" in 0|1) ;; *) echo "run_retrieval.sh: PACK=$PACK: use PACK=1 or PACK=0" >&2; exit 2 ;; esac
+PARALLEL=${PARALLEL:-0}
+case "$PARALLEL" in
+    0|1) ;;
+    *) echo "run_retrieval.sh: PARALLEL=$PARALLEL: use PARALLEL=1 or PARALLEL=0" >&2; exit 2 ;;
+esac
 if [ "$PACK" = 1 ]; then WARMUP_DIR=${WARMUP_DIR:-runs/retrieval_warmup_$LEN}; fi
 WARMUP_DIR=${WARMUP_DIR:-$OUT/warmup}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # shellcheck source=out_files.sh
 source examples/out_files.sh   # msa_out_files, msa_warn_out_files: the device tool's 8 files
+# shellcheck source=check_settings.sh
+source examples/check_settings.sh  # msa_check_settings: pretrain_tiny.py --check-only
 
 # Held-out exact match every 100 steps is the retrieval task's (pretrain_tiny refuses the
 # retrieval-only flags with --task text, which this script also serves).
@@ -56,11 +66,21 @@ COMMON=(--task retrieval --device "$DEVICE" --seq-len "$LEN" --steps "$STEPS"
         --warmup-steps "$WARMUP" --top-k "$TOPK" --block-size "$BLOCK" --layers 4 --hidden 256 --ffn-hidden 704
         --heads 4 --query-groups 2 --index-head-dim 64 --lr 2e-3 --lr-warmup 50
         --log-interval 50 ${EVAL[@]+"${EVAL[@]}"} --eval-windows 2)
+# PARALLEL=1: the warm-up's process (the dense variant's when RUNS names it: same --steps, so
+# the same learning-rate schedule; else one that stops at the end of the warm-up).
+case ",$RUNS," in
+    *,dense,*) FIRST=dense; UNTIL=() ;;
+    *) FIRST=warmup; UNTIL=(--warmup-until "$WARMUP") ;;
+esac
+FIRST_FLAGS=("${COMMON[@]}" --runs dense ${UNTIL[@]+"${UNTIL[@]}"} --save-warmup "$WARMUP_DIR"
+             --out-dir "$OUT/$FIRST")
 # The settings (these variables and the flags) are checked once, before OUT is touched: a
 # refused run leaves an earlier run's results in OUT as they were (exit 2, pretrain_tiny.py's
-# message).
-"$PYTHON" examples/pretrain_tiny.py "${COMMON[@]}" --runs "$RUNS" --out-dir "$OUT/variants" \
-    "$@" --check-only >/dev/null || exit 2
+# message). PARALLEL=1 also checks the warm-up's process (the others load a warm-up not saved
+# yet).
+msa_check_settings "$PYTHON" "${COMMON[@]}" --runs "$RUNS" --out-dir "$OUT/variants" "$@" \
+    || exit 2
+if [ "$PARALLEL" = 1 ]; then msa_check_settings "$PYTHON" "${FIRST_FLAGS[@]}" "$@" || exit 2; fi
 
 mkdir -p "$OUT"
 # The report reads every $OUT/*/metrics.json: drop those of an earlier run into the same OUT, so
@@ -68,17 +88,19 @@ mkdir -p "$OUT"
 rm -f "$OUT"/*/metrics.json "$OUT"/retrieval.json "$OUT"/retrieval.md "$OUT"/retrieval.png \
     "$OUT"/retrieval_logs.tgz
 status=0
-if [ "${PARALLEL:-0}" = 1 ]; then
-    # The dense variant's process trains the warm-up and saves it (same --steps, so the same
-    # learning-rate schedule); once saved, every other variant starts from it as its own
-    # process, side by side. The report reads $OUT/<variant>/metrics.json.
+if [ "$PARALLEL" = 1 ]; then
+    # The warm-up's process ($FIRST, see FIRST_FLAGS) trains the warm-up and saves it; once
+    # saved, every other variant starts from it as its own process, side by side. The report
+    # reads $OUT/<variant>/metrics.json.
     port=${MASTER_PORT:-$((20000 + RANDOM % 20000))}
-    MASTER_PORT=$port "$PYTHON" examples/pretrain_tiny.py "${COMMON[@]}" --runs dense \
-        --save-warmup "$WARMUP_DIR" --out-dir "$OUT/dense" "$@" \
-        >"$OUT/dense.log" 2>&1 &
+    MASTER_PORT=$port "$PYTHON" examples/pretrain_tiny.py "${FIRST_FLAGS[@]}" "$@" \
+        >"$OUT/$FIRST.log" 2>&1 &
     first=$!
-    until grep -q "saved the warm-up" "$OUT/dense.log" 2>/dev/null; do
-        kill -0 "$first" 2>/dev/null || { wait "$first" || true; echo "warm-up failed: $OUT/dense.log" >&2; exit 1; }
+    saved() { grep -q "saved the warm-up" "$OUT/$FIRST.log" 2>/dev/null; }
+    until saved; do  # (saved once more after the exit: the warm-up-only process ends at once)
+        if ! kill -0 "$first" 2>/dev/null && ! saved; then
+            wait "$first" || true; echo "warm-up failed: $OUT/$FIRST.log" >&2; exit 1
+        fi
         sleep 5
     done
     pids=("$first")

@@ -84,6 +84,23 @@ def test_steps_not_past_warmup_are_refused_up_front(tree, tmp_path, phase):
     assert not (tree / "runs").exists() and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("phase", ["warmup", "variants"])
+@pytest.mark.parametrize("env,needle", [
+    (dict(WINDOW="384"), "--task-len (256) must divide --seq-len (384)"),
+    (dict(EXTRA=TINY + " --lr -1"), "--lr -1.0 must be a finite number > 0"),
+])
+def test_recipe_refused_by_pretrain_tiny_stops_before_anything_starts(tree, tmp_path, phase,
+                                                                     env, needle):
+    """pretrain_tiny.py --check-only on the recipe comes first (it used to show only in the
+    warm-up link's log, after runs/ and $OUT were set up): exit 2 with its message, no runs/,
+    no $OUT."""
+    proc = _chain(tree, tmp_path / "out", PHASE=phase, **env)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert needle in proc.stderr and "refuses the recipe" in proc.stderr, proc.stderr
+    assert "warm-up link" not in proc.stdout
+    assert not (tree / "runs").exists() and not (tmp_path / "out").exists()
+
+
 def test_pieces_of_two_calls_mixed_are_refused(tree, tmp_path):
     carry = tree / "runs" / "carry"
     carry.mkdir(parents=True)

@@ -36,10 +36,23 @@ def test_pack_must_be_0_or_1(tmp_path):
     assert not (tmp_path / "out").exists()  # nothing was started
 
 
+@pytest.mark.parametrize("value", ["yes", "2", "true", " 1"])
+def test_parallel_must_be_0_or_1(tmp_path, value):
+    """Any PARALLEL other than 1 used to run the variants one after the other, as PARALLEL=0."""
+    proc = _run({"PARALLEL": value, "OUT": str(tmp_path / "out")}, *TINY)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"PARALLEL={value}: use PARALLEL=1 or PARALLEL=0" in proc.stderr
+    assert not (tmp_path / "out").exists()  # nothing was started
+
+
 @pytest.mark.parametrize("env,needle", [
     ({"LEN": "100"}, "must divide --seq-len (100)"),
     ({"RUNS": "msa,foo"}, "--runs takes distinct names"),
     ({"STEPS": "1"}, "--warmup-steps 2 must be in [0, --steps 1]"),
+    # PARALLEL=1 saves a warm-up: the warm-up process's flags are checked too (this one used
+    # to fail after OUT was cleared, exit 1 "warm-up failed")
+    ({"PARALLEL": "1", "WARMUP": "0"}, "--save-warmup needs a dense warm-up"),
+    ({"PARALLEL": "1", "WARMUP": "0", "RUNS": "msa"}, "--warmup-until 0 must be in [1, "),
 ])
 def test_bad_settings_are_refused_before_out_is_touched(tmp_path, env, needle):
     """Fresh-user check 2026-12-01 s10: a refused setting used to delete the earlier run's
@@ -113,3 +126,19 @@ def test_pack_leaves_the_report_and_one_tarball(tmp_path):
                            text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-2000:]
     assert json.loads((tmp_path / "unpacked" / "retrieval.json").read_text()) == summary
+
+
+@pytest.mark.slow
+def test_parallel_trains_only_the_variants_of_runs(tmp_path):
+    """PARALLEL=1 with RUNS=msa,random: a process of its own trains the warm-up and saves it
+    (--warmup-until: no dense variant after it), then msa and random start from it; dense used
+    to be trained and reported whatever RUNS said."""
+    out = tmp_path / "out"
+    proc = _run({"PARALLEL": "1", "RUNS": "msa,random", "OUT": str(out)}, *TINY)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sorted(json.loads((out / "retrieval.json").read_text())) == ["msa", "random"]
+    assert not (out / "dense").exists() and not (out / "dense.log").exists()
+    assert "saved the warm-up (step 2 of 2)" in (out / "warmup.log").read_text()
+    assert sorted(p.name for p in (out / "warmup").iterdir()) == ["warmup_rank000_of001.pt"]
+    for run in ("msa", "random"):
+        assert (out / run / "metrics.json").is_file()

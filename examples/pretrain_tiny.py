@@ -857,6 +857,11 @@ SHAPE_KEYS = ("tp", "cp", "layers", "hidden", "ffn_hidden", "heads", "query_grou
               "index_head_dim", "index_heads", "index_key_heads", "vocab_size")
 
 
+def _processes(count: int) -> str:
+    """``"1 process"`` or ``"<count> processes"``, for messages."""
+    return f"{count} process{'' if count == 1 else 'es'}"
+
+
 def _warmup_file(directory: Path, rank: Optional[int] = None,
                  world_size: Optional[int] = None) -> Path:
     rank = dist.get_rank() if rank is None else rank
@@ -972,15 +977,17 @@ def check_warmup_dirs(args: argparse.Namespace, world_size: int) -> List[str]:
             others = sorted({p.name.rsplit("_of", 1)[-1][:-3]
                              for p in directory.glob("warmup_rank*_of*.pt")})
             if others and len(missing) == len(paths):
-                errors.append(f"{flag} {directory} holds a warm-up saved by "
-                              f"{' / '.join(str(int(o)) for o in others if o.isdigit())} "
-                              f"processes (warmup_rank*_of{others[0]}.pt), not by "
+                counts = [int(o) for o in others if o.isdigit()]
+                saved_by = (_processes(counts[0]) if len(counts) == 1 else
+                            f"{' / '.join(map(str, counts))} processes")
+                errors.append(f"{flag} {directory} holds a warm-up saved by {saved_by} "
+                              f"(warmup_rank*_of{others[0]}.pt), not by "
                               f"{world_size} (WORLD_SIZE): run with the world size, TP and CP "
                               "that saved it")
             else:
                 errors.append(f"{flag} {directory} has no {', '.join(missing[:3])}"
                               f"{' ...' if len(missing) > 3 else ''} (not a --save-warmup "
-                              f"directory of {world_size} processes, or an incomplete copy)")
+                              f"directory of {_processes(world_size)}, or an incomplete copy)")
             return None
         first = None
         for path in paths:
@@ -1674,7 +1681,7 @@ def check_settings(args: argparse.Namespace, world_size: int) -> List[str]:
     if tp < 1 or cp < 1:
         errors.append(f"--tp {tp} and --cp {cp} must be >= 1")
     elif world_size % (tp * cp):
-        errors.append(f"{world_size} processes (NPROC / --nproc-per-node) are not a multiple of "
+        errors.append(f"{_processes(world_size)} (NPROC / --nproc-per-node): not a multiple of "
                       f"TP x CP = {tp} x {cp} = {tp * cp}; the rest of the world is data parallel")
     if cp >= 1 and (cp > MAX_CP or PAD_MULTIPLE % (2 * cp)):
         errors.append(f"--cp {cp}: context parallelism splits every packed document into "
@@ -1791,7 +1798,7 @@ def check_settings(args: argparse.Namespace, world_size: int) -> List[str]:
             errors.append(f"--device cuda (DEVICE=cuda): no CUDA device is visible (torch "
                           f"{torch.__version__}, {build}); use --device cpu")
         elif torch.cuda.device_count() < local:
-            errors.append(f"--device cuda: {local} processes on this node but only "
+            errors.append(f"--device cuda: {_processes(local)} on this node but only "
                           f"{torch.cuda.device_count()} CUDA devices are visible")
     if not errors:  # the saved warm-up files, once the flags themselves make sense
         errors.extend(check_warmup_dirs(args, world_size))
@@ -1857,7 +1864,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     out_dir, out_note = resolve_out_dir(args)
     if args.check_only:
-        print(f"settings OK for {world} processes: TP {args.tp} x CP {args.cp} x DP "
+        print(f"settings OK for {_processes(world)}: TP {args.tp} x CP {args.cp} x DP "
               f"{world // (args.tp * args.cp)}; output to {out_dir}{out_note}", flush=True)
         return 0
     args.out_dir = out_dir
@@ -1886,7 +1893,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"({sysconfig.get_paths()['stdlib']}); {len(train_windows)} train windows, "
               f"{len(eval_windows)} held-out windows", flush=True)
 
+    record: Dict = {}  # the last metrics.json written: the final table reads it
+
     def save(histories: List[History]) -> None:  # after every variant: a cut run keeps some
+        nonlocal record
         if is_logger:
             args.out_dir.mkdir(parents=True, exist_ok=True)
             record = metrics_record(args, histories)
@@ -1906,9 +1916,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("held-out loss: " + ", ".join(f"{h.name} {h.held_out_loss:.4f}" for h in histories))
         if args.task == "retrieval":
             # the table of examples/retrieval_report.py (one table for both scripts)
-            print(retrieval_report.report_text(
-                retrieval_report.runs_of_record(metrics_record(args, histories)), []),
-                flush=True)
+            print(retrieval_report.report_text(retrieval_report.runs_of_record(record), []),
+                  flush=True)
         print(f"wrote {args.out_dir / 'metrics.json'} and {args.out_dir / 'pretrain_tiny.png'}",
               flush=True)
     parallel_state.destroy_model_parallel()

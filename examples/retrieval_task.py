@@ -84,8 +84,12 @@ class RetrievalSpec:
         if self.record_format == "fused" and self.value_len != 1:
             raise ValueError(f"--record-format fused needs one value token per record, "
                              f"got value_len={self.value_len}")
-        if min(self.pairs, self.queries, self.value_len, self.key_vocab, self.value_vocab) < 1:
-            raise ValueError("--pairs, --queries, value length and vocabularies must be >= 1")
+        if self.value_vocab < 2:
+            raise ValueError(f"--value-vocab ({self.value_vocab}) must be >= 2: with one value "
+                             "every answer is right by chance (chance level 1.0), and exact "
+                             "match measures nothing")
+        if min(self.pairs, self.queries, self.value_len, self.key_vocab) < 1:
+            raise ValueError("--pairs, --queries, value length and --key-vocab must be >= 1")
         if self.queries > self.pairs:
             raise ValueError(f"--queries ({self.queries}) must not exceed --pairs ({self.pairs})")
         if self.pairs > self.key_vocab:

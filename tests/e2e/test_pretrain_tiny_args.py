@@ -48,7 +48,8 @@ def test_default_and_quick_settings_are_valid(tiny):
 @pytest.mark.parametrize("argv,world,needle", [
     (["--tp", "1", "--cp", "3"], 3, "2 x CP = 6"),  # the issue's TP=1 CP=3
     (["--cp", "16"], 16, "CP must be 1, 2, 4 or 8"),
-    (["--tp", "2", "--cp", "2"], 6, "not a multiple of TP x CP"),
+    (["--tp", "2", "--cp", "2"], 6, "6 processes (NPROC / --nproc-per-node): not a multiple of"),
+    (["--tp", "2"], 1, "1 process (NPROC / --nproc-per-node): not a multiple of TP x CP"),
     (["--tp", "3"], 3, "--heads 4 must be a multiple of --tp 3"),
     (["--seq-len", "1000"], 1, "multiple of 16"),
     (["--seq-len", "32", "--block-size", "64"], 1, "larger than --seq-len"),
@@ -117,6 +118,16 @@ def test_task_len_zero_is_refused_not_a_traceback(tiny, capsys):
         tiny.parse_args(["--quick", "--task", "retrieval", "--task-len", "0"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "--task-len (0) must divide --seq-len" in err, err
+
+
+@pytest.mark.parametrize("value", ["1", "0", "-3"])
+def test_value_vocab_below_two_is_refused(tiny, capsys, value):
+    """One value token: every answer is right by chance (chance level 1.0)."""
+    with pytest.raises(SystemExit) as exit_info:
+        tiny.parse_args(["--quick", "--task", "retrieval", "--value-vocab", value])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"--value-vocab ({value}) must be >= 2" in err, err
+    assert tiny.parse_args(["--quick", "--task", "retrieval", "--value-vocab", "2"]).value_vocab == 2
 
 
 def test_cuda_without_a_gpu_says_so(tiny, monkeypatch):
@@ -193,6 +204,8 @@ def test_check_only_accepts_a_good_layout(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "settings OK for 2 processes" in proc.stdout
     assert not (tmp_path / "out").exists()
+    one = _run_example("--device", "cpu", "--quick", "--check-only", world="1")
+    assert one.returncode == 0 and "settings OK for 1 process:" in one.stdout, one.stdout
 
 
 def test_run_tiny_rejects_a_bad_environment_before_installing():
@@ -254,7 +267,8 @@ def test_warmup_directories_are_checked_before_starting(tiny, tmp_path):
     (cut / "warmup_rank000_of001.pt").write_bytes(data[: len(data) // 2])
     cases = [
         (["--resume-warmup", str(empty)], f"--resume-warmup {empty} has no "
-                                          "warmup_rank000_of001.pt"),
+                                          "warmup_rank000_of001.pt (not a --save-warmup "
+                                          "directory of 1 process, or"),
         (["--resume-warmup", str(cp2)], "saved by 2 processes (warmup_rank*_of002.pt), not by 1"),
         (["--resume-warmup", str(cut)], "warmup_rank000_of001.pt is not a whole torch.save file"),
         (["--resume-warmup", str(other)], "saved with other settings (saved, now): lr=0.01/0.002"),

@@ -197,7 +197,7 @@ def test_another_layout_is_refused(tiny, tmp_path):
     source = _fake_warmup(tiny, tmp_path / "tp", cp=2)  # the settings of a CP 2 save
     assert any("cp=2/1" in e for e in _errors(tiny, _RUN + ["--init-weights", str(source)]))
     two = _errors(tiny, _RUN + ["--cp", "2", "--init-weights", str(source)], world=2)
-    assert any("saved by 1 processes (warmup_rank*_of001.pt), not by 2" in e for e in two), two
+    assert any("saved by 1 process (warmup_rank*_of001.pt), not by 2" in e for e in two), two
 
 
 def test_init_weights_with_load_warmup_or_its_own_save_dir_is_refused(tiny, tmp_path):

@@ -83,6 +83,7 @@ def test_generator_is_seeded():
     (dict(queries=13), "must not exceed"),
     (dict(pairs=41, queries=5), "distinct keys"),
     (dict(min_distance=600), "cannot hold"),
+    (dict(value_vocab=1), r"--value-vocab \(1\) must be >= 2"),  # chance level 1.0
 ])
 def test_spec_rejects_what_cannot_fit(change, message):
     spec = retrieval_task.RetrievalSpec(**{**SPEC.__dict__, **change})
@@ -94,7 +95,14 @@ def test_spec_rejects_what_cannot_fit(change, message):
 def test_example_runs_retrieval_task_on_cpu(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(29000 + random.randrange(900)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, str(REPO / "examples" / "pretrain_tiny.py"), "--device", "cpu",
+    # pretrain_tiny's main with its metrics records counted: one per variant (metrics.json is
+    # written after each), and none more for the printed table (it reuses the last one)
+    counted = ("import sys; sys.path.insert(0, 'examples'); import pretrain_tiny as tiny\n"
+               "built, record = [], tiny.metrics_record\n"
+               "tiny.metrics_record = lambda *a: built.append(1) or record(*a)\n"
+               "status = tiny.main(sys.argv[1:])\n"
+               "print(f'metrics records built: {len(built)}'); sys.exit(status)")
+    cmd = [sys.executable, "-c", counted, "--device", "cpu",
            "--task", "retrieval", "--runs", "msa,random", "--steps", "4", "--warmup-steps", "2",
            "--seq-len", "512", "--task-len", "256", "--layers", "2", "--hidden", "64",
            "--ffn-hidden", "128", "--heads", "2", "--query-groups", "2", "--block-size", "16",
@@ -121,6 +129,7 @@ def test_example_runs_retrieval_task_on_cpu(tmp_path):
     # the table of examples/retrieval_report.py (pretrain_tiny keeps no twin of it)
     assert "| MSA, KL-trained index |" in proc.stdout and "| exact match |" in proc.stdout
     assert "| MSA, frozen random index |" in proc.stdout and "L2 best" in proc.stdout
+    assert "metrics records built: 2" in proc.stdout
 
 
 @pytest.mark.slow

@@ -4,23 +4,17 @@ here, with tiny generated test files)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def runner():
-    spec = importlib.util.spec_from_file_location("gpu_tests", REPO / "benchmarks" / "gpu_tests.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_tests"] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/gpu_tests.py", register=True)  # dataclasses look it up
 
 
 def _write(path: Path, body: str) -> Path:

@@ -3,27 +3,23 @@ row-by-row float64 oracle, and a wrong selection is caught (the check can fail).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import msa_megatron
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.scripts import load_script
+
 TINY = ["--tokens", "80", "--rows", "5", "--dtype", "float16", "--heads", "2,1,1,1",
         "--head-dim", "16", "--block", "16", "--top-k", "2"]
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("long_check", REPO / "benchmarks" / "long_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/long_check.py")
 
 
 @pytest.fixture

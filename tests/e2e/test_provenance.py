@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.scripts import load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("provenance", REPO / "benchmarks" / "provenance.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/provenance.py")
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")

@@ -4,18 +4,11 @@ own pattern is found, correct code is not, and the data flow follows branches.""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.scripts import load_script
 
 
 def _load():
-    path = REPO / "benchmarks" / "sass_check.py"
-    spec = importlib.util.spec_from_file_location("sass_check", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/sass_check.py")
 
 
 def _sass(*lines: str) -> str:

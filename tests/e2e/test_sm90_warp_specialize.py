@@ -4,22 +4,16 @@ for the compiler and the per-case process; the real compiles need the GPU machin
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.scripts import load_script
 
 
 def _load():
-    path = REPO / "benchmarks" / "sm90_warp_specialize.py"
-    spec = importlib.util.spec_from_file_location("sm90_warp_specialize", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/sm90_warp_specialize.py")
 
 
 def _fake_compile(ttgir: str, warps: int):

@@ -191,3 +191,24 @@ def test_msa_attention_runs_under_inference_mode():
     ref_out, ref_kl = msa_attention(*xs, cu, block_size=16, top_k=2, backend="torch")
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(kl, ref_kl, atol=1e-6, rtol=1e-5)
+
+
+def test_partial_budget_is_four_q_capped():
+    """Chunks of the paper config's backward partials (Hq 64, D 128, bf16, k 16, B 128:
+    256 KiB per token, 16x q): 4 up to 128K tokens (budget 4x q), 16 at 1M (budget capped at
+    8 GiB, so each chunk holds 1x q: half the 2x-q buffer)."""
+    from msa_megatron.ops.triton import _common
+    from msa_megatron.ops.triton import reverse_index as ri
+
+    per_token_q, per_token_bwd = 64 * 128 * 2, 64 * 16 * 128 * 2
+    got = {}
+    for tokens in (8192, 32768, 131072, 1 << 20):
+        q_bytes = tokens * per_token_q
+        budget = _common.partial_budget(q_bytes)
+        assert budget == max(min(4 * q_bytes, 8 << 30), 64 << 20)
+        got[tokens] = ri.chunk_count(tokens * per_token_bwd, budget)
+    assert got == {8192: 4, 32768: 4, 131072: 4, 1 << 20: 16}
+    million = (1 << 20) * per_token_bwd
+    assert million // got[1 << 20] == 16 << 30  # 2x q: 8 chunks of 32 GiB
+    assert million // got[1 << 20] < million // ri.chunk_count(million, 2 * (16 << 30))
+    assert _common.partial_budget(1) == _common.PARTIAL_MIN_BYTES

@@ -60,10 +60,31 @@ DENSE_KEY_TILE = 64
 # backward.ITEM_KEYS).
 KEY_SUBTILE = 64
 # Per-(pair, head) partial results of one chunk of query tokens may take PARTIAL_QS times the
-# bytes of q, at least PARTIAL_MIN_BYTES; larger selections are processed in up to 16 chunks of
-# query tokens (BENCHMARK.md: a partial per (token, head, block) for all 128K tokens would be
-# 32 GiB, 16x q; twice q keeps the whole op's peak near the dense baseline's).
-PARTIAL_QS = 2
+# bytes of q, but at most PARTIAL_MAX_BYTES and at least PARTIAL_MIN_BYTES (partial_budget);
+# larger selections are processed in up to 16 chunks of query tokens (BENCHMARK.md: a partial
+# per (token, head, block) for all 128K tokens would be 32 GiB, 16x q). Each chunk's launches
+# end on a tail of idle multiprocessors (ncu, paper 32K: 11-16% of the item kernels' time), so
+# fewer chunks are faster: on the H200 (paper, whole op fwd+bwd iid / coherent, ms;
+# benchmarks/NOTES.md "Chunk count (session 11)") 2 / 4 / 8 x q gave 52.4 / 49.6 / 47.6 at 32K,
+# 195.8 / 194.4 / 191.5 at 128K, 22.6 -> 17.9 (2 -> 4) at 8K, with the op's peak at 0.75x /
+# 0.95x / 1.34x dense cuDNN's at 32K: 4 is the largest that keeps it under cuDNN's. But at 1M
+# tokens (q 16 GiB) 4x q asked for a 64 GiB buffer and ran out of memory on one H200 (2x q:
+# 109 GiB peak), hence the byte cap. Chunks per consumer (reverse_index.chunk_count: the next
+# power of two >= partials / budget, at most 16), paper config (Hq 64, D 128, bf16, k 16,
+# B 128: q is 16 KiB per token; partials per token: backward Hq k D 2 = 256 KiB = 16x q,
+# forward Hq k (2 D + 4) = 260 KiB, KL Hi k (B / 64) (Di + 1) 4 = 64.5 KiB):
+#   tokens  q        budget (4x q, cap 8 GiB)  chunks fwd / bwd / KL  largest buffer (bwd)
+#   8K      128 MiB  512 MiB                   8 / 4 / 2              512 MiB
+#   32K     512 MiB  2 GiB                     8 / 4 / 2              2 GiB
+#   128K    2 GiB    8 GiB (4x q = the cap)    8 / 4 / 2              8 GiB
+#   1M      16 GiB   8 GiB (capped)            16 / 16 / 16           16 GiB (1x q: 16 chunks
+#                                              are not enough for the cap, the count's limit)
+# At 1M, 2x q gave 16 / 8 / 4 chunks with buffers of 16.25 / 32 / 16.1 GiB; capped: 16.25 / 16 /
+# 4.0 GiB, so the backward's and the KL's peaks drop by 16 and 12 GiB (4x q: 32.5 / 64 / 32.3).
+# The count is a function of the shapes only (it sets the fp32 order of the dK/dV sums across
+# chunks; never of free memory).
+PARTIAL_QS = 4
+PARTIAL_MAX_BYTES = 8 << 30
 PARTIAL_MIN_BYTES = 64 << 20
 # Programs per multiprocessor of the persistent key-block-outer kernels.
 PROGRAMS_PER_SM = 4
@@ -77,8 +98,10 @@ def interpreting() -> bool:
 
 
 def partial_budget(q_bytes: int) -> int:
-    """Bytes the per-pair partials of one chunk of queries may take (see PARTIAL_QS)."""
-    return max(PARTIAL_QS * int(q_bytes), PARTIAL_MIN_BYTES)
+    """Bytes the per-pair partials of one chunk of queries may take: ``PARTIAL_QS`` times
+    ``q_bytes`` (the bytes of q), capped at ``PARTIAL_MAX_BYTES``, at least
+    ``PARTIAL_MIN_BYTES`` (a function of the shapes only; see PARTIAL_QS)."""
+    return max(min(PARTIAL_QS * int(q_bytes), PARTIAL_MAX_BYTES), PARTIAL_MIN_BYTES)
 
 
 def tile_rows(rows: int, dtype: torch.dtype) -> int:

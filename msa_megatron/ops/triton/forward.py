@@ -8,7 +8,8 @@ rows, the next tile's query rows loading while the current one is multiplied. Ea
 partial output normalised over that block and its log-sum-exp; :func:`_attn_merge_kernel`
 merges a row's ``k`` partials by their LSE in slot order (no atomics on floats,
 deterministic). Partials are kept for one chunk of query tokens at a time, at most
-``PARTIAL_QS`` times the bytes of q (up to 16 chunks; :func:`._common.partial_budget`).
+``PARTIAL_QS`` times the bytes of q, capped at ``PARTIAL_MAX_BYTES`` (up to 16 chunks;
+:func:`._common.partial_budget`).
 
 Dense mode is query-outer: one program owns tokens x the query heads of one index head and
 walks the key tiles from its lowest to its highest reachable key row, with the support mask

@@ -63,3 +63,44 @@ def test_largest_first_lists_each_chunks_groups_by_pair_count(hkv):
             assert sum(got) == int(((tokens >= t0) & (tokens < t1)).sum())
     with pytest.raises(ValueError, match="chunks"):
         backward.largest_first(rev, 3)
+
+
+@pytest.mark.parametrize("units, min_tiles", [(4, 1), (3, 2), (64, 1), (1, 1), (5, 100)])
+def test_split_query_tiles_cuts_each_tiles_range_in_order(units, min_tiles):
+    """The dense dK/dV split (:func:`msa_megatron.ops.triton.backward.split_query_tiles`): a
+    tile's first slice and its extra units cover its query tiles once, in order, in slices of
+    ``L = max(ceil(V / units), min_tiles)``; at most ``units`` extra units; the sum list names
+    every tile with extra units, ascending, with its first unit and count."""
+    from msa_megatron.ops.triton import backward
+
+    lo = torch.tensor([0, 2, 5, 9, 9, 0, 3, 0], dtype=torch.int32, device=DEVICE)
+    hi = torch.tensor([10, 9, 6, 9, 3, 4, 30, 1], dtype=torch.int32, device=DEVICE)
+    nt = lo.numel()
+    first_hi, unit, sums = backward.split_query_tiles(lo, hi, units, min_tiles)
+    assert unit.shape == sums.shape == (3, units) and first_hi.shape == (nt,)
+    count = (hi - lo).clamp_min(0).cpu()
+    span = max(-(-int(count.sum()) // units), min_tiles)
+    unit, sums, first_hi = unit.cpu(), sums.cpu(), first_hi.cpu()
+    used = unit[0] < nt
+    assert not used[used.sum():].any()  # used units first
+    assert (unit[1:, ~used] == 0).all()
+    listed = []
+    for n in range(nt):
+        slices = [(int(lo[n]), int(first_hi[n]))]
+        slices += [(int(a), int(b)) for t, a, b in unit[:, used].T.tolist() if t == n]
+        want = [(a, min(a + span, int(hi[n]))) for a in range(int(lo[n]), int(hi[n]), span)]
+        if count[n] == 0:
+            assert slices[0][0] >= slices[0][1] and len(slices) == 1
+        else:
+            assert slices == want, n
+        if len(slices) > 1:
+            units_of_n = (unit[0] == n).nonzero().flatten().tolist()
+            listed.append([n, units_of_n[0], len(units_of_n)])
+            assert units_of_n == list(range(units_of_n[0], units_of_n[0] + len(units_of_n)))
+    assert int(used.sum()) <= units
+    has = sums[0] < nt
+    assert sums[:, has].T.tolist() == listed and not has[len(listed):].any()
+    with pytest.raises(ValueError, match="units"):
+        backward.split_query_tiles(lo, hi, 0, 1)
+    with pytest.raises(ValueError, match="NT"):
+        backward.split_query_tiles(lo[:0], hi[:0], 4, 1)

@@ -408,6 +408,52 @@ def test_backward_item_tiles_match_reference_and_repeat(monkeypatch, top_k):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("mode", ["sparse-split", "dense-split", "dense-unsplit"])
+def test_dense_dkdv_split_matches_reference_and_repeat(monkeypatch, mode):
+    """The dense dK/dV kernel with each key tile's query tiles split over several programs
+    (fp32 partials summed in slice order; a sparse call's full-prefix rows, and dense mode),
+    and unsplit: gradients equal the oracle's, a second call is bitwise equal, and the split
+    runs (tiles with two and more extra slices)."""
+    from msa_megatron.ops.triton import backward
+
+    sparse = mode == "sparse-split"
+    split = mode.endswith("-split")
+    monkeypatch.setattr(backward, "INTERPRETER_SPLIT", (64, 1))  # 32 per KV group
+    monkeypatch.setattr(backward, "DENSE_SPLIT_BELOW", 10 ** 6 if split else 0)
+    made = []
+    original = backward.split_query_tiles
+
+    def recording(*args):
+        made.append(original(*args))
+        return made[-1]
+
+    monkeypatch.setattr(backward, "split_query_tiles", recording)
+    # fp32: key tiles of 16 rows, 8 tokens x 2 heads per query tile; with k = 5 blocks of 16
+    # the first 80 tokens of each document are full-prefix rows (10 query tiles).
+    q, k, v, q_pos, q_kbase = _attention_inputs([200, 0, 90], 4, 2, 2, 16, torch.float32, False)
+    block_idx = _random_selection(q.shape[0], 2, 5, q_pos, 16) if sparse else None
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out, _ = _triton().attention(q, k, v, block_idx, q_pos, q_kbase, block_size=16,
+                                 index_heads=2)
+    dout = _randn(*out.shape, dtype=torch.float32)
+    grads = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    want, _ = ref.attention_core_reference(*leaves, block_idx, q_pos, q_kbase, block_size=16,
+                                           index_heads=2)
+    want_grads = torch.autograd.grad(want, leaves, dout.double())
+    for name, got, exp in zip("qkv", grads, want_grads):
+        assert got.dtype == torch.float32
+        assert rel_err(got, exp) < 2 * TOL[torch.float32], name
+    again = torch.autograd.grad(out, (q, k, v), dout)
+    for a, b in zip(grads, again):
+        assert torch.equal(a, b)
+    assert len(made) == (2 if split else 0)
+    if split:
+        nt = made[0][0].numel()
+        _, unit, sums = made[0]
+        assert (unit[0] < nt).sum() >= 4 and (sums[2][sums[0] < nt] >= 2).any()
+
+
 # ---------------------------------------------------------------- KL
 KL_CASES = [
     # lens, Hq, Hkv, Hi, Hik, D, Di, block, top_k, dtype

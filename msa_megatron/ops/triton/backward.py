@@ -16,7 +16,10 @@ gradients are bitwise deterministic.
 
 Dense mode: dQ query-outer (one program per tokens x heads of an index head, walking key
 tiles), dK/dV key-tile-outer over the query tiles that can see the tile
-(:func:`.reverse_index.query_tile_ranges`).
+(:func:`.reverse_index.query_tile_ranges`). The same kernels serve the rows of a sparse call
+whose selection is their whole causal prefix; there only the first key tiles of each sequence
+have rows, so a key tile's query tiles are cut into slices taken by several programs, whose
+fp32 partial dK/dV are added in slice order afterwards (:func:`split_query_tiles`).
 """
 
 from __future__ import annotations
@@ -54,6 +57,28 @@ _LOG2E = tl.constexpr(LOG2E)
 # benchmarks/results/kernels_h200_v11_bwd_*.json).
 ITEM_KEYS = 128
 ITEM_ROWS = 32
+# Dense dK/dV (_attn_bwd_dkdv_dense_kernel) split over slices of query tiles. In a sparse call
+# only the rows whose selection is their whole causal prefix (the first k * B tokens of each
+# sequence) are dense: at paper 32K, 64 of the kernel's 1024 programs (16 key tiles x 4 KV
+# groups) had rows, each walking up to 2048 tokens alone, 75% of the launch's 2.2 ms idle
+# (ncu, benchmarks/NOTES.md "ncu of every kernel (session 11)"). So every key tile's query-tile
+# range is cut into slices of at most L query tiles, L = max(ceil(V / U), SPLIT_MIN_TILES)
+# (V: query tiles of all key tiles, U = ceil(SPLIT_UNITS / Hkv) extra programs per KV group),
+# computed on the device (no host sync): the first slice of a tile is its own program (as
+# unsplit), the others (at most V / L <= U) are the extra programs, with fp32 partials summed
+# in slice order afterwards (bitwise deterministic). A sparse call always splits (free when no
+# tile has more than L query tiles: the extra programs return at once); dense mode (every key
+# tile has rows) only below DENSE_SPLIT_BELOW unsplit programs (paper heads: below 8K keys),
+# with fp32 dK/dV buffers then. The split is a function of the shapes and the layout (q_pos,
+# q_kbase, full rows) only, never of the device. SPLIT_MIN_TILES keeps a slice's K/V load and
+# 2 x 64 KiB partial write + read small against its rows (16 tiles: 512 rows of 256 B each of
+# Q and dO). Partial buffers: SPLIT_UNITS * KS * D * 8 bytes (128 MiB at 128 keys, D 128),
+# freed before the sparse partials. Under the interpreter (tests): 8 extra programs over all
+# KV groups, slices of 1 query tile, so the tests' small shapes split.
+SPLIT_UNITS = 1024
+SPLIT_MIN_TILES = 16
+DENSE_SPLIT_BELOW = 256
+INTERPRETER_SPLIT = (8, 1)
 
 
 def key_tiling(dtype: torch.dtype, block_size: int) -> tuple:
@@ -287,30 +312,48 @@ def _attn_bwd_blocks_kernel(
         w = tl.atomic_add(next_ptr, 1)
 
 
-@triton.jit(do_not_specialize=("Tq", "Tk"))
+@triton.jit(do_not_specialize=("NT", "n_units", "Tq", "Tk"))
 def _attn_bwd_dkdv_dense_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, qkb_ptr, full_ptr, dk_ptr, dv_ptr,
-    qt_lo_ptr, qt_hi_ptr,
+    qt_lo_ptr, qt_hi_ptr, unit_ptr, pdk_ptr, pdv_ptr, NT, n_units,
     Tq, Tk, scale,
     s_qt, s_qh, s_kt, s_kh, s_lt,
     HPI: tl.constexpr, HR: tl.constexpr, TOK: tl.constexpr, IPG: tl.constexpr,
     D: tl.constexpr, KS: tl.constexpr, HI: tl.constexpr, FULL: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, ISO: tl.constexpr, bad_ptr,
 ):
-    """Dense dK/dV: one program per key tile of ``KS`` rows and KV group (rows filtered by
-    ``FULL``); writes every key row of the tile."""
+    """Dense dK/dV of key tiles of ``KS`` rows (rows filtered by ``FULL``), KV group
+    ``program_id(1)``.
+
+    Program ``n < NT`` (``NT = cdiv(Tk, KS)``): key tile ``n`` over query tiles ``qt_lo[n] ..
+    qt_hi[n] - 1``; writes every key row of the tile to ``dk``/``dv`` (zeros where no row sees
+    it). Program ``NT + u`` (``u < n_units``; launched only when split): unit ``u`` of
+    ``unit [3, n_units]`` int32 (key tile, first query tile, end query tile; key tile ``NT``:
+    unused, returns at once); writes its fp32 sums, all ``KS`` rows, to row block ``u * Hkv +
+    g`` of ``pdk``/``pdv`` ``[n_units, Hkv, KS, D]``, which :func:`_dkdv_split_sum_kernel` adds
+    to the tile's rows (:func:`split_query_tiles`). Each program sums its query tiles in order:
+    deterministic."""
     if skip(bad_ptr, ISO):
         return
-    n = tl.program_id(0)
+    p = tl.program_id(0)
     g = tl.program_id(1)
+    if p < NT:
+        n = p
+        a_lo = tl.load(qt_lo_ptr + p)
+        a_hi = tl.load(qt_hi_ptr + p)
+    else:
+        n = tl.load(unit_ptr + (p - NT))
+        a_lo = tl.load(unit_ptr + n_units + (p - NT))
+        a_hi = tl.load(unit_ptr + 2 * n_units + (p - NT))
+    if n >= NT:
+        return
     r = tl.arange(0, TOK * HR)
     hl = r % HR
+    c = tl.arange(0, KS)
     d = tl.arange(0, D)
-    krow = n * KS + tl.arange(0, KS)
+    krow = n * KS + c
     kmask = krow < Tk
     off = krow.to(tl.int64)[:, None] * s_kt + g * s_kh + d[None, :]
-    a_lo = tl.load(qt_lo_ptr + n)
-    a_hi = tl.load(qt_hi_ptr + n)
     seen = kmask & (krow < tl.where(a_lo < a_hi, Tk, 0))  # no traffic if no row sees the tile
     kt = tl.load(k_ptr + off, mask=seen[:, None], other=0.0)
     vt = tl.load(v_ptr + off, mask=seen[:, None], other=0.0)
@@ -324,8 +367,45 @@ def _attn_bwd_dkdv_dense_kernel(
                                             (g * IPG + ii) * HPI + hl, rows, q_ptr, do_ptr,
                                             lse_ptr, delta_ptr, qpos_ptr, qkb_ptr, s_qt, s_qh,
                                             s_lt, scale, D, UPCAST, IEEE, ISO)
-    tl.store(dk_ptr + off, dk.to(dk_ptr.dtype.element_ty), mask=kmask[:, None])
-    tl.store(dv_ptr + off, dv.to(dv_ptr.dtype.element_ty), mask=kmask[:, None])
+    if p < NT:
+        tl.store(dk_ptr + off, dk.to(dk_ptr.dtype.element_ty), mask=kmask[:, None])
+        tl.store(dv_ptr + off, dv.to(dv_ptr.dtype.element_ty), mask=kmask[:, None])
+    else:
+        prow = ((p - NT).to(tl.int64) * tl.num_programs(1) + g) * KS + c
+        tl.store(pdk_ptr + prow[:, None] * D + d[None, :], dk)
+        tl.store(pdv_ptr + prow[:, None] * D + d[None, :], dv)
+
+
+@triton.jit(do_not_specialize=("NT", "n_units", "Tk"))
+def _dkdv_split_sum_kernel(dk_ptr, dv_ptr, pdk_ptr, pdv_ptr, sum_ptr, NT, n_units, Tk, s_kt,
+                           s_kh, KS: tl.constexpr, D: tl.constexpr):
+    """Adds the split units' partials to the fp32 ``dk``/``dv`` ``[Tk, Hkv, D]`` rows of one
+    key tile, KV group ``program_id(1)``: program ``j`` takes row ``j`` of ``sum [3, n_units]``
+    int32 (key tile, its first unit, its unit count; key tile ``NT``: none, returns at once)
+    and adds units ``first .. first + count - 1`` of ``pdk``/``pdv`` in that order, after the
+    tile's first slice already in ``dk``/``dv``: a fixed order, bitwise deterministic."""
+    j = tl.program_id(0)
+    g = tl.program_id(1)
+    n = tl.load(sum_ptr + j)
+    if n >= NT:
+        return
+    first = tl.load(sum_ptr + n_units + j)
+    count = tl.load(sum_ptr + 2 * n_units + j)
+    c = tl.arange(0, KS)
+    d = tl.arange(0, D)
+    krow = n * KS + c
+    kmask = krow < Tk
+    off = krow.to(tl.int64)[:, None] * s_kt + g * s_kh + d[None, :]
+    acc = tl.load(dk_ptr + off, mask=kmask[:, None], other=0.0)
+    for j in range(0, count):
+        prow = ((first + j).to(tl.int64) * tl.num_programs(1) + g) * KS + c
+        acc += tl.load(pdk_ptr + prow[:, None] * D + d[None, :])
+    tl.store(dk_ptr + off, acc, mask=kmask[:, None])
+    acc = tl.load(dv_ptr + off, mask=kmask[:, None], other=0.0)
+    for j in range(0, count):
+        prow = ((first + j).to(tl.int64) * tl.num_programs(1) + g) * KS + c
+        acc += tl.load(pdv_ptr + prow[:, None] * D + d[None, :])
+    tl.store(dv_ptr + off, acc, mask=kmask[:, None])
 
 
 @triton.jit(do_not_specialize=("sc0", "sc1"))
@@ -367,6 +447,67 @@ def sum_partials_kernel(
                        other=0.0).to(tl.float32)
     tl.store(dq_ptr + t64[:, None] * s_qt + (i * HPI + hl)[:, None] * s_qh + d[None, :],
              acc.to(dq_ptr.dtype.element_ty), mask=valid[:, None])
+
+
+def split_units(device: torch.device, programs: int, kv_groups: int, sparse: bool) -> tuple:
+    """``(units, min_tiles)`` of the dense dK/dV split: extra programs per KV group (0: no
+    split) and the fewest query tiles per slice (see SPLIT_UNITS). ``programs``: key tiles x
+    KV groups of the unsplit launch. Under the interpreter: ``INTERPRETER_SPLIT``."""
+    total, min_tiles = (INTERPRETER_SPLIT if device.type != "cuda"
+                        else (SPLIT_UNITS, SPLIT_MIN_TILES))
+    if programs == 0 or not (sparse or programs < DENSE_SPLIT_BELOW):
+        return 0, min_tiles
+    return -(-total // kv_groups), min_tiles
+
+
+def split_query_tiles(qt_lo: torch.Tensor, qt_hi: torch.Tensor, units: int,
+                      min_tiles: int) -> tuple:
+    """Cuts each key tile's query tiles ``qt_lo[n] .. qt_hi[n] - 1`` (``[NT]`` int32,
+    :func:`.reverse_index.query_tile_ranges`) into slices of ``L`` query tiles, on the device
+    (no host sync): ``L = max(ceil(V / units), min_tiles)``, ``V`` the query tiles of all key
+    tiles, so a tile's extra slices (all but its first) number at most ``V / L <= units``.
+
+    Args:
+        qt_lo, qt_hi: ``[NT]`` int32 (``NT >= 1``; ``lo >= hi``: no query tile).
+        units: extra programs (>= 1).
+        min_tiles: fewest query tiles per slice (>= 1).
+
+    Returns:
+        ``(first_hi, unit, sums)``: ``first_hi [NT]`` int32, the end of each tile's first slice
+        (which stays the tile's own program); ``unit [3, units]`` int32, per extra program its
+        key tile, first and end query tile (slices of a tile consecutive, in order; unused
+        programs: key tile ``NT``, empty range); ``sums [3, units]`` int32, per key tile with
+        extra slices (ascending; then key tile ``NT``) the tile, its first unit and its unit
+        count, for :func:`_dkdv_split_sum_kernel`.
+
+    Raises:
+        ValueError: ``units`` or ``min_tiles`` below 1, or no key tile.
+    """
+    if units < 1 or min_tiles < 1:
+        raise ValueError(f"units and min_tiles must be >= 1, got {units} and {min_tiles}")
+    nt = qt_lo.numel()
+    if nt < 1 or qt_hi.numel() != nt:
+        raise ValueError(f"qt_lo and qt_hi must be [NT] with NT >= 1, got {nt} and "
+                         f"{qt_hi.numel()}")
+    lo, hi = qt_lo.to(torch.int64), qt_hi.to(torch.int64)
+    count = (hi - lo).clamp_min(0)
+    span = ((count.sum() + units - 1) // units).clamp_min(min_tiles)  # L, 0-dim on the device
+    extra = ((count + span - 1) // span - 1).clamp_min(0)
+    end = extra.cumsum(0)  # units of tile n: end[n] - extra[n] .. end[n] - 1
+    first = end - extra
+    u = torch.arange(units, device=lo.device, dtype=torch.int64)
+    tile = torch.searchsorted(end, u, right=True)  # NT past the last unit
+    at = tile.clamp_max(nt - 1)
+    used = tile < nt
+    u_lo = lo[at] + (u - first[at] + 1) * span
+    u_hi = torch.minimum(u_lo + span, hi[at])
+    unit = torch.stack([tile, torch.where(used, u_lo, 0), torch.where(used, u_hi, 0)])
+    tile = torch.searchsorted((extra > 0).cumsum(0), u, right=True)
+    at = tile.clamp_max(nt - 1)
+    sums = torch.stack([tile, first[at], extra[at]])
+    first_hi = torch.minimum(hi, lo + span)
+    return (first_hi.to(torch.int32), unit.to(torch.int32).contiguous(),
+            sums.to(torch.int32).contiguous())
 
 
 def largest_first(rev: ReverseIndex, chunks: int) -> tuple:
@@ -447,9 +588,12 @@ def attention_backward(
         rev = build_reverse_index(block_idx, q_pos, q_kbase, Tk, block_size, Hkv)
     # Dense kernels: every row in dense mode; in sparse mode the rows whose selection is their
     # whole causal prefix, with dK/dV into fp32 buffers the sparse items then add to.
+    ks, kwarps = key_tiling(q.dtype, block_size if sparse else ITEM_KEYS)
+    n_tiles = triton.cdiv(Tk, ks)
+    units, min_tiles = split_units(q.device, n_tiles * Hkv, Hkv, sparse)
     dq = torch.empty_like(q)
-    dk, dv = (torch.empty(x.shape, dtype=torch.float32 if sparse else x.dtype, device=x.device)
-              for x in (k, v))
+    dk, dv = (torch.empty(x.shape, dtype=torch.float32 if sparse or units else x.dtype,
+                          device=x.device) for x in (k, v))
     full = q_pos if rev is None else rev.full
     which = ALL_ROWS if rev is None else FULL_ROWS
     bad = nonfinite_flag(q, k, dout)  # the operands support_mma isolates here
@@ -460,19 +604,28 @@ def attention_backward(
         UPCAST=upcast, IEEE=ieee, bad_ptr=bad, num_warps=warps_for(tok * hr), **opts,
     )
     # Key-row-owning kernels (dense dK/dV, sparse items): keys as the products' rows.
-    ks, kwarps = key_tiling(q.dtype, block_size if sparse else ITEM_KEYS)
     ktok, khr = query_tiling(hpi, tile_rows(ITEM_ROWS, q.dtype))
     kopts = {**opts, "num_warps": kwarps}
     present = None if rev is None else rev.full.any(1)
     qt_lo, qt_hi = query_tile_ranges(q_pos, q_kbase, Tk, ktok, ks, present)
+    unit = sums = pdk = pdv = qt_lo  # placeholders, never read without a split
+    if units:
+        qt_hi, unit, sums = split_query_tiles(qt_lo, qt_hi, units, min_tiles)
+        pdk, pdv = (torch.empty((units, Hkv, ks, D), dtype=torch.float32, device=q.device)
+                    for _ in range(2))
     launch_both(
-        _attn_bwd_dkdv_dense_kernel, (triton.cdiv(Tk, ks), Hkv), q, k, v, dout, lse, delta,
-        q_pos, q_kbase, full, dk, dv, qt_lo, qt_hi, Tq, Tk, scale,
-        *strides, HPI=hpi, HR=khr, TOK=ktok, IPG=ipg, D=D, KS=ks, HI=hi, FULL=which,
+        _attn_bwd_dkdv_dense_kernel, (n_tiles + units, Hkv), q, k, v, dout, lse, delta,
+        q_pos, q_kbase, full, dk, dv, qt_lo, qt_hi, unit, pdk, pdv, n_tiles, units, Tq, Tk,
+        scale, *strides, HPI=hpi, HR=khr, TOK=ktok, IPG=ipg, D=D, KS=ks, HI=hi, FULL=which,
         UPCAST=upcast, IEEE=ieee, bad_ptr=bad, **kopts,
     )
+    if units:
+        _dkdv_split_sum_kernel[(units, Hkv)](dk, dv, pdk, pdv, sums, n_tiles, units, Tk,
+                                            dk.stride(0), dk.stride(1), KS=ks, D=D,
+                                            num_warps=8)
+        del pdk, pdv  # before the sparse partials are allocated
     if not sparse:
-        return dq, dk, dv
+        return dq, dk.to(k.dtype), dv.to(v.dtype)
     top_k = block_idx.shape[2]
     nsub = block_size // ks
     per_query = Hq * top_k * nsub * D * q.element_size()

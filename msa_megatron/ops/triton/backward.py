@@ -397,13 +397,13 @@ def _dkdv_split_sum_kernel(dk_ptr, dv_ptr, pdk_ptr, pdv_ptr, sum_ptr, NT, n_unit
     kmask = krow < Tk
     off = krow.to(tl.int64)[:, None] * s_kt + g * s_kh + d[None, :]
     acc = tl.load(dk_ptr + off, mask=kmask[:, None], other=0.0)
-    for j in range(0, count):
-        prow = ((first + j).to(tl.int64) * tl.num_programs(1) + g) * KS + c
+    for i in range(0, count):
+        prow = ((first + i).to(tl.int64) * tl.num_programs(1) + g) * KS + c
         acc += tl.load(pdk_ptr + prow[:, None] * D + d[None, :])
     tl.store(dk_ptr + off, acc, mask=kmask[:, None])
     acc = tl.load(dv_ptr + off, mask=kmask[:, None], other=0.0)
-    for j in range(0, count):
-        prow = ((first + j).to(tl.int64) * tl.num_programs(1) + g) * KS + c
+    for i in range(0, count):
+        prow = ((first + i).to(tl.int64) * tl.num_programs(1) + g) * KS + c
         acc += tl.load(pdv_ptr + prow[:, None] * D + d[None, :])
     tl.store(dv_ptr + off, acc, mask=kmask[:, None])
 
@@ -587,7 +587,8 @@ def attention_backward(
         block_idx = block_idx.contiguous()
         rev = build_reverse_index(block_idx, q_pos, q_kbase, Tk, block_size, Hkv)
     # Dense kernels: every row in dense mode; in sparse mode the rows whose selection is their
-    # whole causal prefix, with dK/dV into fp32 buffers the sparse items then add to.
+    # whole causal prefix, with dK/dV into fp32 buffers the sparse items then add to (fp32 also
+    # when the dense dK/dV is split: its slices are added there).
     ks, kwarps = key_tiling(q.dtype, block_size if sparse else ITEM_KEYS)
     n_tiles = triton.cdiv(Tk, ks)
     units, min_tiles = split_units(q.device, n_tiles * Hkv, Hkv, sparse)

@@ -51,10 +51,16 @@ import traceback
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                             warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 LOG2E = 1.4426950408889634
 HEADS, INDEX_HEADS, HEAD_DIM, INDEX_DIM = 64, 4, 128, 128  # paper heads (Hkv == Hi)
 CHECK_TOKENS = 4096
+IMPLS = ("triton", "gluon", "gluon_wg1")  # the order of a GPU run: Gluon last
 
 
 def _check_inputs(q, k, lse, k_idx, index_heads):
@@ -124,8 +130,8 @@ def _lse2(lse: torch.Tensor, group: int) -> torch.Tensor:
 
 @triton.jit
 def _triton_tile(q_ptr, k_ptr, ki_ptr, lse2_ptr, acc, rows, n, i, T, HQ, C,
-                 G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DI: tl.constexpr,
-                 DIAGONAL: tl.constexpr):
+                 G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+                 DI: tl.constexpr, DIAGONAL: tl.constexpr):
     """``acc + p k_idx`` of key tile ``n`` (``p``: the head-mean teacher of the tile)."""
     cols = n * BN + tl.arange(0, BN)
     dd = tl.arange(0, D)
@@ -189,6 +195,174 @@ def teacher_rows_triton(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor,
     return out
 
 
+@gluon.jit
+def _gluon_producer(q_desc, k_desc, ki_desc, q_smem, k_smem, ki_smem, q_ready, q_empty,
+                    kv_ready, kv_empty, m, i, last, G: gl.constexpr, BM: gl.constexpr,
+                    BN: gl.constexpr, D: gl.constexpr, QS: gl.constexpr, KS: gl.constexpr):
+    """Producer partition (1 warp): per key step its K and ``k_idx`` tiles into ring slot
+    ``n % KS``, then the ``G`` heads' Q tiles into the Q ring, each once its slot is free."""
+    qc = 0
+    for n in range(last):
+        slot = n % KS
+        mbarrier.wait(kv_empty.index(slot), ((n // KS) & 1) ^ 1)  # first round: passes
+        mbarrier.expect(kv_ready.index(slot), k_desc.block_type.nbytes + ki_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [n * BN, i * D], kv_ready.index(slot),
+                                        k_smem.index(slot))
+        tma.async_copy_global_to_shared(ki_desc, [n * BN, 0], kv_ready.index(slot),
+                                        ki_smem.index(slot))
+        for j in range(G):
+            qs = qc % QS
+            mbarrier.wait(q_empty.index(qs), ((qc // QS) & 1) ^ 1)
+            mbarrier.expect(q_ready.index(qs), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [m * BM, (i * G + j) * D],
+                                            q_ready.index(qs), q_smem.index(qs))
+            qc += 1
+
+
+@gluon.jit
+def _gluon_consumer(lse2_ptr, out_ptr, q_smem, k_smem, ki_smem, q_ready, q_empty, kv_ready,
+                    kv_empty, m, i, full, last, T, HI, C, G: gl.constexpr, BM: gl.constexpr,
+                    BN: gl.constexpr, DI: gl.constexpr, QS: gl.constexpr, KS: gl.constexpr,
+                    WARPS: gl.constexpr):
+    """Consumer partition (the default one, ``WARPS`` warps, ``BM = 16 WARPS`` rows): per key
+    step the ``G`` products ``S_h = Q_h K^T`` as async wgmma, ``S_{h+1}`` issued before head
+    ``h``'s exp2 (which runs under it); then ``acc += p k_idx`` (``p`` from registers)."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                       instr_shape=[16, BN, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                       instr_shape=[16, DI, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    rows = m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
+    # the G heads' lse2 rows staged once in shared memory (per-head pointer tensors, hoisted
+    # out of the key loop by the compiler, took ~64 registers)
+    flat = gl.arange(0, G * BM, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
+    lr = m * BM + flat % BM
+    lse_tile = gl.load(lse2_ptr + (i * G + flat // BM) * T + lr, mask=lr < T, other=0.0)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [G * BM],
+                                         gl.SwizzledSharedLayout(1, 1, 1, [0]), lse_tile)
+    gl.thread_barrier()
+    zero_s = gl.zeros([BM, BN], gl.float32, layout=s_layout)
+    acc = gl.zeros([BM, DI], gl.float32, layout=o_layout)
+    qc = 0
+    for n in range(last):
+        slot = n % KS
+        mbarrier.wait(kv_ready.index(slot), (n // KS) & 1)
+        kt = k_smem.index(slot).permute((1, 0))  # [D, BN]
+        mbarrier.wait(q_ready.index(qc % QS), (qc // QS) & 1)
+        s_next = warpgroup_mma(q_smem.index(qc % QS), kt, zero_s, use_acc=False, is_async=True)
+        p = zero_s
+        for j in gl.static_range(G):
+            s_now = s_next
+            if j + 1 < G:  # issue head j + 1's product before head j's exp2
+                qn = qc + 1
+                mbarrier.wait(q_ready.index(qn % QS), (qn // QS) & 1)
+                s_next = warpgroup_mma(q_smem.index(qn % QS), kt, zero_s, use_acc=False,
+                                       is_async=True)
+                s = warpgroup_mma_wait(num_outstanding=1, deps=(s_now, ))
+            else:
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s_now, ))
+            gl.thread_barrier()  # every warp's reads of the Q slot done: the arrive is thread 0's
+            mbarrier.arrive(q_empty.index(qc % QS), count=1)
+            lse2 = lse_smem.slice(j * BM, BM).load(gl.SliceLayout(1, s_layout))
+            p += gl.exp2(s * C - lse2[:, None])
+            qc += 1
+        if n >= full:  # the diagonal: causal mask
+            cols = n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+            p = gl.where(cols[None, :] <= rows[:, None], p, 0.0)
+        pb = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+        acc = warpgroup_mma(pb, ki_smem.index(slot), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        gl.thread_barrier()
+        mbarrier.arrive(kv_empty.index(slot), count=1)
+    out_rows = m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, o_layout))
+    out_cols = gl.arange(0, DI, layout=gl.SliceLayout(0, o_layout))
+    gl.store(out_ptr + (out_rows[:, None] * HI + i) * DI + out_cols[None, :], acc,
+             mask=out_rows[:, None] < T)
+
+
+@gluon.jit
+def _teacher_rows_gluon_kernel(q_desc, k_desc, ki_desc, lse2_ptr, out_ptr, T, HI, C,
+                               G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                               D: gl.constexpr, DI: gl.constexpr, QS: gl.constexpr,
+                               KS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                               num_warps: gl.constexpr):
+    """Program (query tile ``m``, index head ``i``): shared rings and barriers, then the
+    consumer (default partition) and the producer (1 worker warp)."""
+    m = gl.program_id(0)
+    i = gl.program_id(1)
+    full = (m * BM) // BN
+    last = gl.cdiv(gl.minimum(m * BM + BM, T), BN)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [QS, BM, D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [KS, BN, D], k_desc.layout)
+    ki_smem = gl.allocate_shared_memory(ki_desc.dtype, [KS, BN, DI], ki_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [QS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [QS, 1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [KS, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [KS, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(QS):
+        mbarrier.init(q_ready.index(s), count=1)
+        mbarrier.init(q_empty.index(s), count=1)
+    for s in gl.static_range(KS):
+        mbarrier.init(kv_ready.index(s), count=1)
+        mbarrier.init(kv_empty.index(s), count=1)
+    fence_async_shared()
+    gl.warp_specialize([
+        (_gluon_consumer, (lse2_ptr, out_ptr, q_smem, k_smem, ki_smem, q_ready, q_empty,
+                           kv_ready, kv_empty, m, i, full, last, T, HI, C, G, BM, BN, DI, QS,
+                           KS, num_warps)),
+        (_gluon_producer, (q_desc, k_desc, ki_desc, q_smem, k_smem, ki_smem, q_ready, q_empty,
+                           kv_ready, kv_empty, m, i, last, G, BM, BN, D, QS, KS)),
+    ], [1], [PRODUCER_REGS])
+
+
+# default: two consumer warpgroups (BM 128, 8 warps) sharing the K / k_idx tiles; GLUON_WG1:
+# one consumer warpgroup (BM 64, 4 warps)
+GLUON_TILES = {"block_m": 128, "block_n": 64, "q_stages": 4, "kv_stages": 2, "num_warps": 8,
+               "producer_regs": 40}
+GLUON_WG1 = {"block_m": 64, "num_warps": 4}
+
+
+def _gluon_descriptors(q, k, k_idx, block_m, block_n):
+    """TMA descriptors of the 2-D views ``q [T, Hq D]``, ``k [T, Hi D]``, ``k_idx [T, Di]``."""
+    tokens, heads, dim = q.shape
+    di = k_idx.shape[1]
+    dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    descs = []
+    for view, block in ((q.view(tokens, heads * dim), [block_m, dim]),
+                        (k.view(tokens, -1), [block_n, dim]), (k_idx, [block_n, di])):
+        layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+        descs.append(TensorDescriptor(view, list(view.shape), list(view.stride()), block, layout))
+    return descs
+
+
+def teacher_rows_gluon(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor,
+                       k_idx: torch.Tensor, index_heads: int, **tiles) -> torch.Tensor:
+    """Teacher rows by the warp-specialised Gluon kernel (sm_90, bf16 / fp16 inputs);
+    arguments and result as :func:`teacher_rows_torch`; ``tiles`` override
+    :data:`GLUON_TILES` (``block_m`` must be ``16 num_warps``: one row block per warp)."""
+    tokens, heads, hi, dim, di = _check_inputs(q, k, lse, k_idx, index_heads)
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"q must be bf16 or fp16 for the Gluon kernel, got {q.dtype}")
+    unknown = set(tiles) - set(GLUON_TILES)
+    if unknown:
+        raise ValueError(f"unknown tiles {sorted(unknown)}; known: {sorted(GLUON_TILES)}")
+    t = dict(GLUON_TILES, **tiles)
+    if t["block_m"] != 16 * t["num_warps"]:
+        raise ValueError(f"block_m must be 16 num_warps = {16 * t['num_warps']}, "
+                         f"got {t['block_m']}")
+    group = heads // hi
+    q, k, k_idx = q.contiguous(), k.contiguous(), k_idx.contiguous()
+    out = torch.empty(tokens, hi, di, dtype=torch.float32, device=q.device)
+    q_desc, k_desc, ki_desc = _gluon_descriptors(q, k, k_idx, t["block_m"], t["block_n"])
+    grid = (triton.cdiv(tokens, t["block_m"]), hi)
+    _teacher_rows_gluon_kernel[grid](q_desc, k_desc, ki_desc, _lse2(lse, group), out, tokens,
+                                     hi, dim ** -0.5 * LOG2E, G=group, BM=t["block_m"],
+                                     BN=t["block_n"], D=dim, DI=di, QS=t["q_stages"],
+                                     KS=t["kv_stages"], PRODUCER_REGS=t["producer_regs"],
+                                     num_warps=t["num_warps"])
+    return out
+
+
 def flops(tokens: int, heads: int = HEADS, index_heads: int = INDEX_HEADS, dim: int = HEAD_DIM,
           index_dim: int = INDEX_DIM) -> float:
     """``2 Hq D P + 2 Hi Di P`` with ``P = T^2 / 2`` causal pairs."""
@@ -227,17 +401,12 @@ def time_ms(fn, warmup: int = 3, reps: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _implementations():
-    impls = {"triton": teacher_rows_triton}
-    impls["gluon"] = lambda *a, **kw: teacher_rows_gluon(*a, **kw)  # noqa: F821 (defined below)
-    return impls
-
-
 def run_gpu(path: str, token_counts, impl_names) -> int:
     """Check each implementation at ``CHECK_TOKENS``, time it at ``token_counts``, write JSON."""
     device = torch.device("cuda")
-    impls = _implementations()
-    order = [name for name in ("triton", "gluon") if name in impl_names]  # gluon last
+    impls = {"triton": teacher_rows_triton, "gluon": teacher_rows_gluon,
+             "gluon_wg1": lambda *args: teacher_rows_gluon(*args, **GLUON_WG1)}
+    order = [name for name in IMPLS if name in impl_names]  # Gluon last
     result = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
               "triton": triton.__version__, "tokens": list(token_counts),
               "shape": {"Hq": HEADS, "Hi": INDEX_HEADS, "D": HEAD_DIM, "Di": INDEX_DIM,
@@ -274,15 +443,111 @@ def run_gpu(path: str, token_counts, impl_names) -> int:
     return 0
 
 
+SASS_COUNTS = {"HGMMA": r"\bHGMMA\.", "WARPGROUP.DEPBAR": r"\bWARPGROUP\.DEPBAR",
+               "WARPGROUP.ARRIVE": r"\bWARPGROUP\.ARRIVE", "WARPSYNC": r"\bWARPSYNC\b",
+               "SYNCS": r"\bSYNCS\.", "UTMALDG": r"\bUTMALDG\b", "USETMAXREG": r"\bUSETMAXREG\b",
+               "MUFU.EX2": r"\bMUFU\.EX2\b", "BAR.SYNC": r"\bBAR\.SYNC\b"}
+
+
+def sass_counts(sass: str) -> dict:
+    """Instruction counts of interest in ``nvdisasm`` text (:data:`SASS_COUNTS`)."""
+    return {name: len(re.findall(pattern, sass)) for name, pattern in SASS_COUNTS.items()}
+
+
+def ptxas_resources(log: str) -> dict:
+    """Registers and spill store / load bytes of each function in a ``ptxas -v`` log (the last
+    ``Used`` line is the kernel's)."""
+    regs = re.findall(r"Used (\d+) registers", log)
+    spill = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return {"registers": int(regs[-1]) if regs else None,
+            "spill_stores": int(spill[-1][0]) if spill else None,
+            "spill_loads": int(spill[-1][1]) if spill else None}
+
+
+def compile_sm90(name: str) -> dict:
+    """Compile kernel ``name`` (one of :data:`IMPLS`) at the paper heads for sm_90 on any
+    machine; its resources (registers, spills, shared bytes, warps), SASS counts and whether
+    ptxas serialised the wgmma (its C7514 warning: the async products then wait one by one)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"  # ptxas -v on every compile: registers, spills
+    os.environ["TRITON_ALWAYS_COMPILE"] = "1"
+    group = HEADS // INDEX_HEADS
+    if name == "triton":
+        bm, bn = 128, 64
+        signature = {"q_ptr": "*bf16", "k_ptr": "*bf16", "ki_ptr": "*bf16", "lse2_ptr": "*fp32",
+                     "out_ptr": "*fp32", "T": "i32", "HQ": "i32", "C": "fp32"}
+        constants = {"G": group, "BM": bm, "BN": bn, "D": HEAD_DIM, "DI": INDEX_DIM}
+        options = {"num_warps": 8, "num_stages": 2}
+        attrs = {(j,): [["tt.divisibility", 16]] for j in range(5)}
+        source = ASTSource(_teacher_rows_triton_kernel,
+                           dict(signature, **{c: "constexpr" for c in constants}), constants,
+                           attrs)
+    elif name in ("gluon", "gluon_wg1"):
+        t = dict(GLUON_TILES, **(GLUON_WG1 if name == "gluon_wg1" else {}))
+        bm, bn = t["block_m"], t["block_n"]
+        descs = {}
+        for arg, block in (("q_desc", [bm, HEAD_DIM]), ("k_desc", [bn, HEAD_DIM]),
+                           ("ki_desc", [bn, INDEX_DIM])):
+            layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+            descs[arg] = f"tensordesc<bf16[{block[0]}, {block[1]}],{layout!r}>"
+        signature = dict(descs, lse2_ptr="*fp32", out_ptr="*fp32", T="i32", HI="i32", C="fp32")
+        constants = {"G": group, "BM": bm, "BN": bn, "D": HEAD_DIM, "DI": INDEX_DIM,
+                     "QS": t["q_stages"], "KS": t["kv_stages"],
+                     "PRODUCER_REGS": t["producer_regs"], "num_warps": t["num_warps"]}
+        options = {"num_warps": t["num_warps"]}
+        attrs = {(j,): [["tt.divisibility", 16]] for j in (3, 4)}
+        source = GluonASTSource(_teacher_rows_gluon_kernel,
+                                dict(signature, **{c: "constexpr" for c in constants}),
+                                constants, attrs)
+    else:
+        raise ValueError(f"name must be one of {IMPLS}, got {name!r}")
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from sass_check import sass_text
+
+    sass = sass_text(kernel.asm["cubin"]) or ""
+    maxnreg = sorted({int(r) for r in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned"
+                                                 r"\.u32\s+(\d+)", kernel.asm["ptx"])})
+    return dict(kernel=name, block_m=bm, block_n=bn, shared=kernel.metadata.shared,
+                num_warps=kernel.metadata.num_warps, **ptxas_resources(log.getvalue()),
+                setmaxnreg=maxnreg, wgmma_serialized="C7514" in log.getvalue(),
+                sass=sass_counts(sass))
+
+
+def run_compile(argv) -> int:
+    """``compile [triton|gluon ...]``: one line per kernel; exit status 1 if any fails."""
+    names = argv or list(IMPLS)
+    print(f"triton {triton.__version__}, sm_90, paper heads Hq {HEADS} Hi {INDEX_HEADS} "
+          f"D {HEAD_DIM} Di {INDEX_DIM}, bf16")
+    bad = 0
+    for name in names:
+        try:
+            r = compile_sm90(name)
+        except Exception as error:  # a compile failure is a finding, reported
+            bad += 1
+            print(f"{name:7s} FAILED: {type(error).__name__}: {str(error)[-2000:]}")
+            continue
+        sass = " ".join(f"{k} {v}" for k, v in r["sass"].items())
+        print(f"{name:7s} BM {r['block_m']} BN {r['block_n']} warps {r['num_warps']} "
+              f"regs {r['registers']} spill {r['spill_stores']}/{r['spill_loads']} "
+              f"shared {r['shared']} setmaxnreg {r['setmaxnreg']} "
+              f"wgmma serialised {r['wgmma_serialized']} | {sass}", flush=True)
+    return 1 if bad else 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["compile"]:
-        return run_compile(argv[1:])  # noqa: F821 (defined below)
+        return run_compile(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", help="JSON file to write")
     parser.add_argument("--tokens", type=int, nargs="+", default=[CHECK_TOKENS, 32768])
-    parser.add_argument("--impl", nargs="+", choices=["triton", "gluon"],
-                        default=["triton", "gluon"])
+    parser.add_argument("--impl", nargs="+", choices=IMPLS, default=list(IMPLS))
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device: the timing run needs the GPU (the compile subcommand does not)")

@@ -1,0 +1,147 @@
+"""benchmarks/gluon_probe.py: the float64 reference against a direct sum, the plain Triton
+kernel against the reference under the interpreter, argument checks, the log / SASS parsers,
+and the ``compile`` subcommand for sm_90 with the GPU machine's Triton (3.6, at /tmp/t36site;
+skipped without it). The Gluon kernel itself only runs on an sm_90 GPU."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.support.scripts import REPO, load_script
+
+T36 = "/tmp/t36site"
+
+
+@pytest.fixture(scope="module")
+def probe():
+    return load_script("benchmarks/gluon_probe.py")
+
+
+def _inputs(probe, tokens, heads, index_heads, dtype, dim=32, index_dim=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(tokens, heads, dim, generator=gen).to(dtype)
+    k = torch.randn(tokens, index_heads, dim, generator=gen).to(dtype)
+    k_idx = torch.randn(tokens, index_dim, generator=gen).to(dtype)
+    return q, k, probe.causal_lse(q, k), k_idx
+
+
+def test_reference_is_the_direct_sum(probe):
+    q, k, lse, k_idx = _inputs(probe, 7, 4, 2, torch.float64, dim=16, index_dim=8)
+    out = probe.teacher_rows_torch(q, k, lse, k_idx, 2, chunk=3)
+    want = torch.zeros(7, 2, 8, dtype=torch.float64)
+    for t in range(7):
+        for i in range(2):
+            for s in range(t + 1):
+                w = sum(math.exp(16 ** -0.5 * float(q[t, h] @ k[s, i]) - float(lse[t, h]))
+                        for h in (2 * i, 2 * i + 1)) / 2
+                want[t, i] += w * k_idx[s]
+    torch.testing.assert_close(out.double(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_causal_lse_normalises_each_head(probe):
+    q, k, lse, _ = _inputs(probe, 9, 4, 2, torch.float64)
+    s = torch.einsum("thd,shd->ths", q, k.repeat_interleave(2, dim=1)) * 32 ** -0.5
+    s = s.masked_fill(torch.ones(9, 9, dtype=torch.bool).triu(1)[:, None, :], -math.inf)
+    torch.testing.assert_close(torch.exp(s - lse[:, :, None]).sum(-1),  # lse: fp32 math
+                               torch.ones(9, 4, dtype=torch.float64), rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("tokens,heads,index_heads,block_m,block_n,dtype", [
+    (1, 16, 1, 16, 16, torch.float32),
+    (100, 16, 1, 64, 16, torch.float32),
+    (300, 32, 2, 64, 64, torch.float16),
+    (300, 2, 2, 16, 64, torch.float32),  # G = 1
+    (100, 3, 3, 16, 16, torch.float16),  # G = 1, odd head count
+])
+def test_triton_matches_reference(probe, tokens, heads, index_heads, block_m, block_n, dtype):
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("needs TRITON_INTERPRET=1 (CPU) or a GPU")
+    q, k, lse, k_idx = _inputs(probe, tokens, heads, index_heads, dtype)
+    out = probe.teacher_rows_triton(q, k, lse, k_idx, index_heads, block_m=block_m,
+                                    block_n=block_n, num_warps=4)
+    ref = probe.teacher_rows_torch(q, k, lse, k_idx, index_heads)
+    err = probe.errors(out, ref)
+    # fp16 rounds p to 11 bits before the k_idx product
+    assert err["rel_norm"] < (3e-3 if dtype == torch.float16 else 1e-5), err
+
+
+@pytest.mark.parametrize("change,error,word", [
+    ({"k": torch.zeros(8, 3, 32)}, ValueError, "key head"),
+    ({"lse": torch.zeros(8, 3)}, ValueError, "lse"),
+    ({"k_idx": torch.zeros(7, 16)}, ValueError, "k_idx"),
+    ({"index_heads": 3}, ValueError, "index_heads"),
+    ({"k_idx": torch.zeros(8, 16, dtype=torch.float16)}, TypeError, "dtype"),
+])
+def test_bad_arguments_are_named(probe, change, error, word):
+    args = dict(q=torch.zeros(8, 4, 32), k=torch.zeros(8, 2, 32), lse=torch.zeros(8, 4),
+                k_idx=torch.zeros(8, 16), index_heads=2)
+    args.update(change)
+    with pytest.raises(error, match=word):
+        probe.teacher_rows_torch(**args)
+
+
+def test_triton_tiles_are_checked(probe):
+    q, k, lse, k_idx = _inputs(probe, 4, 2, 2, torch.float32)
+    with pytest.raises(ValueError, match="block_n"):
+        probe.teacher_rows_triton(q, k, lse, k_idx, 2, block_n=48)
+
+
+def test_gluon_arguments_are_checked(probe):
+    q, k, lse, k_idx = _inputs(probe, 4, 2, 2, torch.float32)
+    with pytest.raises(TypeError, match="bf16 or fp16"):
+        probe.teacher_rows_gluon(q, k, lse, k_idx, 2)
+    q, k, k_idx = q.half(), k.half(), k_idx.half()
+    with pytest.raises(ValueError, match="block_m must be 16 num_warps"):
+        probe.teacher_rows_gluon(q, k, lse, k_idx, 2, block_m=64)
+    with pytest.raises(ValueError, match="unknown tiles"):
+        probe.teacher_rows_gluon(q, k, lse, k_idx, 2, stages=3)
+
+
+def test_flops_counts_both_products(probe):
+    assert probe.flops(2, heads=64, index_heads=4, dim=128, index_dim=128) == \
+        2 * (2 * 64 * 128 + 2 * 4 * 128)
+
+
+def test_ptxas_and_sass_parsers(probe):
+    log = ("ptxas info    : Compiling entry function 'k' for 'sm_90a'\n"
+           "    24 bytes stack frame, 40 bytes spill stores, 36 bytes spill loads\n"
+           "ptxas info    : Used 255 registers, used 2 barriers\n")
+    assert probe.ptxas_resources(log) == {"registers": 255, "spill_stores": 40,
+                                          "spill_loads": 36}
+    sass = ("HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT ;\n"
+            "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24, gsb0 ;\n"
+            "WARPGROUP.DEPBAR.LE gsb0, 0x1 ;\nWARPGROUP.ARRIVE ;\nMUFU.EX2 R3, R4 ;\n")
+    counts = probe.sass_counts(sass)
+    assert counts["HGMMA"] == 2 and counts["WARPGROUP.DEPBAR"] == 1
+    assert counts["WARPGROUP.ARRIVE"] == 1 and counts["MUFU.EX2"] == 1 and counts["SYNCS"] == 0
+
+
+def test_cli_without_gpu_says_so(probe, tmp_path, monkeypatch):
+    monkeypatch.setattr(probe.torch.cuda, "is_available", lambda: False)
+    assert probe.main([str(tmp_path / "x.json")]) == 2
+
+
+@pytest.mark.skipif(not os.path.isdir(os.path.join(T36, "triton")),
+                    reason="needs Triton 3.6 at /tmp/t36site (pip install --target "
+                           "/tmp/t36site triton==3.6.0), the GPU machine's version")
+def test_compile_subcommand_for_sm90():
+    """Both kernels compile for sm_90 with Triton 3.6 (~20 s on CPU); the Gluon products are
+    asynchronous wgmma that ptxas did not serialise, one consumer wait per head."""
+    env = dict(os.environ, PYTHONPATH=f"{T36}:{REPO}")
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, "benchmarks/gluon_probe.py", "compile"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    lines = {line.split()[0]: line for line in done.stdout.splitlines()[1:]}
+    assert set(lines) == {"triton", "gluon", "gluon_wg1"}, done.stdout
+    for name in ("gluon", "gluon_wg1"):
+        assert "wgmma serialised False" in lines[name], lines[name]
+        assert "HGMMA 132 " in lines[name] and "WARPGROUP.DEPBAR 17 " in lines[name]
+        assert "UTMALDG" in lines[name] and "USETMAXREG 0 " not in lines[name]
+    assert "spill 0/0" in lines["triton"], lines["triton"]

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import json
 import math
@@ -157,7 +158,7 @@ def _teacher_rows_triton_kernel(q_ptr, k_ptr, ki_ptr, lse2_ptr, out_ptr, T, HQ, 
                                 G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                                 D: tl.constexpr, DI: tl.constexpr):
     """Program (query tile ``m``, index head ``i``): rows ``[m BM, m BM + BM)`` of ``out``."""
-    m = tl.program_id(0)
+    m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest rows first (causal tail)
     i = tl.program_id(1)
     hi = HQ // G
     rows = m * BM + tl.arange(0, BM)
@@ -288,7 +289,7 @@ def _teacher_rows_gluon_kernel(q_desc, k_desc, ki_desc, lse2_ptr, out_ptr, T, HI
                                num_warps: gl.constexpr):
     """Program (query tile ``m``, index head ``i``): shared rings and barriers, then the
     consumer (default partition) and the producer (1 worker warp)."""
-    m = gl.program_id(0)
+    m = gl.num_programs(0) - 1 - gl.program_id(0)  # the longest rows first (causal tail)
     i = gl.program_id(1)
     full = (m * BM) // BN
     last = gl.cdiv(gl.minimum(m * BM + BM, T), BN)
@@ -315,11 +316,14 @@ def _teacher_rows_gluon_kernel(q_desc, k_desc, ki_desc, lse2_ptr, out_ptr, T, HI
     ], [1], [PRODUCER_REGS])
 
 
-# default: two consumer warpgroups (BM 128, 8 warps) sharing the K / k_idx tiles; GLUON_WG1:
-# one consumer warpgroup (BM 64, 4 warps)
+# gluon: two consumer warpgroups (BM 128, 8 warps) sharing the K / k_idx tiles; the variants
+# change only what they name
 GLUON_TILES = {"block_m": 128, "block_n": 64, "q_stages": 4, "kv_stages": 2, "num_warps": 8,
                "producer_regs": 40}
-GLUON_WG1 = {"block_m": 64, "num_warps": 4}
+GLUON_VARIANTS = {
+    "gluon": {},
+    "gluon_wg1": {"block_m": 64, "num_warps": 4},  # one consumer warpgroup
+}
 
 
 def _gluon_descriptors(q, k, k_idx, block_m, block_n):
@@ -404,8 +408,9 @@ def time_ms(fn, warmup: int = 3, reps: int = 10) -> float:
 def run_gpu(path: str, token_counts, impl_names) -> int:
     """Check each implementation at ``CHECK_TOKENS``, time it at ``token_counts``, write JSON."""
     device = torch.device("cuda")
-    impls = {"triton": teacher_rows_triton, "gluon": teacher_rows_gluon,
-             "gluon_wg1": lambda *args: teacher_rows_gluon(*args, **GLUON_WG1)}
+    impls = {"triton": teacher_rows_triton}
+    impls.update({name: functools.partial(teacher_rows_gluon, **tiles)
+                  for name, tiles in GLUON_VARIANTS.items()})
     order = [name for name in IMPLS if name in impl_names]  # Gluon last
     result = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
               "triton": triton.__version__, "tokens": list(token_counts),
@@ -464,10 +469,17 @@ def ptxas_resources(log: str) -> dict:
             "spill_loads": int(spill[-1][1]) if spill else None}
 
 
+def serialized(log: str) -> str:
+    """The ptxas warning codes (``C7514`` ...) saying it serialised a kernel's wgmma, or ""."""
+    return ",".join(sorted(set(re.findall(r"\((C\d+)\) Potential Performance Loss: "
+                                          r"wgmma\.mma_async instructions are serialized", log))))
+
+
 def compile_sm90(name: str) -> dict:
     """Compile kernel ``name`` (one of :data:`IMPLS`) at the paper heads for sm_90 on any
     machine; its resources (registers, spills, shared bytes, warps), SASS counts and whether
-    ptxas serialised the wgmma (its C7514 warning: the async products then wait one by one)."""
+    ptxas serialised the wgmma (the codes of its "wgmma.mma_async instructions are serialized"
+    warnings, C7514 / C7515: each product then waits for the previous one; "" if none)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -485,8 +497,8 @@ def compile_sm90(name: str) -> dict:
         source = ASTSource(_teacher_rows_triton_kernel,
                            dict(signature, **{c: "constexpr" for c in constants}), constants,
                            attrs)
-    elif name in ("gluon", "gluon_wg1"):
-        t = dict(GLUON_TILES, **(GLUON_WG1 if name == "gluon_wg1" else {}))
+    elif name in GLUON_VARIANTS:
+        t = dict(GLUON_TILES, **GLUON_VARIANTS[name])
         bm, bn = t["block_m"], t["block_n"]
         descs = {}
         for arg, block in (("q_desc", [bm, HEAD_DIM]), ("k_desc", [bn, HEAD_DIM]),
@@ -515,7 +527,7 @@ def compile_sm90(name: str) -> dict:
                                                  r"\.u32\s+(\d+)", kernel.asm["ptx"])})
     return dict(kernel=name, block_m=bm, block_n=bn, shared=kernel.metadata.shared,
                 num_warps=kernel.metadata.num_warps, **ptxas_resources(log.getvalue()),
-                setmaxnreg=maxnreg, wgmma_serialized="C7514" in log.getvalue(),
+                setmaxnreg=maxnreg, wgmma_serialized=serialized(log.getvalue()),
                 sass=sass_counts(sass))
 
 
@@ -536,7 +548,7 @@ def run_compile(argv) -> int:
         print(f"{name:7s} BM {r['block_m']} BN {r['block_n']} warps {r['num_warps']} "
               f"regs {r['registers']} spill {r['spill_stores']}/{r['spill_loads']} "
               f"shared {r['shared']} setmaxnreg {r['setmaxnreg']} "
-              f"wgmma serialised {r['wgmma_serialized']} | {sass}", flush=True)
+              f"wgmma serialised {r['wgmma_serialized'] or 'no'} | {sass}", flush=True)
     return 1 if bad else 0
 
 

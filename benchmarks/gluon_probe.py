@@ -30,10 +30,13 @@ Usage (from the repository root)::
     PYTHONPATH=/tmp/t36site:$PWD python benchmarks/gluon_probe.py compile   # CPU, sm_90 SASS
 
 The GPU run checks each implementation against the reference at 4096 tokens (bf16 inputs),
-times it at every ``--tokens`` (CUDA events, median) and writes a JSON; a failing
-implementation records its error and the others go on (Gluon runs last: a launch failure
-poisons the CUDA context). ``compile`` compiles both kernels for ``GPUTarget("cuda", 90, 32)``
-and prints registers, spills, shared memory, warps and the SASS's ``HGMMA`` / wait counts.
+times it at every ``--tokens`` (CUDA events, median) and writes a JSON; each implementation
+runs in its own process (Gluon last) with a time limit (``--timeout``), so a failing or hanging
+one records its error and the others go on. ``compile`` compiles every kernel for
+``GPUTarget("cuda", 90, 32)`` and prints registers, spills, shared memory, warps, the
+``setmaxnreg`` values, whether ptxas serialised the wgmma, and SASS counts (``HGMMA``,
+``WARPGROUP.DEPBAR`` waits, ``MUFU.EX2`` ...). Results: ``benchmarks/NOTES.md``, "Gluon probe
+(session 12)".
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ import json
 import math
 import os
 import re
+import subprocess
 import sys
+import tempfile
 import traceback
 
 import torch
@@ -405,47 +410,91 @@ def time_ms(fn, warmup: int = 3, reps: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def run_gpu(path: str, token_counts, impl_names) -> int:
-    """Check each implementation at ``CHECK_TOKENS``, time it at ``token_counts``, write JSON."""
-    device = torch.device("cuda")
+def implementations() -> dict:
+    """``{name: function(q, k, lse, k_idx, index_heads)}`` of :data:`IMPLS`."""
     impls = {"triton": teacher_rows_triton}
     impls.update({name: functools.partial(teacher_rows_gluon, **tiles)
                   for name, tiles in GLUON_VARIANTS.items()})
-    order = [name for name in IMPLS if name in impl_names]  # Gluon last
-    result = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
+    return impls
+
+
+def run_impl(name: str, token_counts) -> dict:
+    """One implementation on the GPU: its errors against the reference at ``CHECK_TOKENS``
+    and its median time per token count (``{"errors", "times", "tiles"}``); raises on failure
+    (the entry so far in the exception's ``entry`` attribute)."""
+    device = torch.device("cuda")
+    impl = implementations()[name]
+    entry = {"tiles": dict(GLUON_TILES, **GLUON_VARIANTS[name]) if name in GLUON_VARIANTS
+             else {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 2},
+             "times": {}}
+    try:
+        inputs = paper_inputs(CHECK_TOKENS, device)
+        out = impl(*inputs, INDEX_HEADS)
+        torch.cuda.synchronize()
+        entry["errors"] = errors(out, teacher_rows_torch(*inputs, INDEX_HEADS))
+        print(f"{name:9s} check T {CHECK_TOKENS}: max_abs {entry['errors']['max_abs']:.3e} "
+              f"rel_norm {entry['errors']['rel_norm']:.3e}", flush=True)
+        for tokens in token_counts:
+            if tokens != CHECK_TOKENS:
+                inputs = paper_inputs(tokens, device)
+            ms = time_ms(lambda: impl(*inputs, INDEX_HEADS))
+            tflops = flops(tokens) / ms / 1e9
+            entry["times"][str(tokens)] = {"ms": ms, "tflops": tflops}
+            print(f"{name:9s} T {tokens:6d}: {ms:9.3f} ms {tflops:7.1f} TFLOP/s", flush=True)
+    except Exception as error:
+        error.entry = entry
+        raise
+    return entry
+
+
+def run_gpu(path: str, token_counts, impl_names, timeout: float = 90.0) -> int:
+    """Each implementation in its own process (a launch failure poisons only that process's
+    CUDA context; a barrier deadlock ends at ``timeout`` seconds), Gluon last; the results,
+    or each failure's text, in the JSON at ``path`` (rewritten after each implementation)."""
+    result = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "triton": triton.__version__, "tokens": list(token_counts),
               "shape": {"Hq": HEADS, "Hi": INDEX_HEADS, "D": HEAD_DIM, "Di": INDEX_DIM,
                         "dtype": "bf16"}, "impls": {}}
-
-    def write():
+    for name in [name for name in IMPLS if name in impl_names]:
+        with tempfile.NamedTemporaryFile(suffix=".json") as part:
+            command = [sys.executable, os.path.abspath(__file__), "--child", name, part.name,
+                       "--tokens", *map(str, token_counts)]
+            try:
+                done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+                print(done.stdout, end="", flush=True)
+                with open(part.name) as f:
+                    text = f.read()
+                entry = json.loads(text) if text else {}
+                if done.returncode and "error" not in entry:
+                    entry["error"] = f"exit status {done.returncode}"
+                if done.returncode:
+                    entry["stderr"] = done.stderr[-4000:]
+            except subprocess.TimeoutExpired as expired:
+                out = expired.stdout.decode() if isinstance(expired.stdout, bytes) else \
+                    (expired.stdout or "")
+                print(out, end="")
+                entry = {"error": f"timed out after {timeout} s (a hang: barrier deadlock?)",
+                         "stdout": out[-4000:]}
+        if "error" in entry:
+            print(f"{name:9s} FAILED: {entry['error'][:500]}", flush=True)
+        result["impls"][name] = entry
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
-
-    q, k, lse, k_idx = paper_inputs(CHECK_TOKENS, device)
-    ref = teacher_rows_torch(q, k, lse, k_idx, INDEX_HEADS)
-    for name in order:
-        entry = result["impls"].setdefault(name, {"times": {}})
-        try:
-            out = impls[name](q, k, lse, k_idx, INDEX_HEADS)
-            torch.cuda.synchronize()
-            entry["errors"] = errors(out, ref)
-            print(f"{name:7s} check T {CHECK_TOKENS}: max_abs {entry['errors']['max_abs']:.3e} "
-                  f"rel_norm {entry['errors']['rel_norm']:.3e}", flush=True)
-            for tokens in token_counts:
-                args = (q, k, lse, k_idx) if tokens == CHECK_TOKENS else \
-                    paper_inputs(tokens, device)
-                ms = time_ms(lambda: impls[name](*args, INDEX_HEADS))
-                tflops = flops(tokens) / ms / 1e9
-                entry["times"][str(tokens)] = {"ms": ms, "tflops": tflops}
-                print(f"{name:7s} T {tokens:6d}: {ms:9.3f} ms {tflops:7.1f} TFLOP/s", flush=True)
-                del args
-        except Exception as error:  # recorded; the next implementation still runs
-            entry["error"] = f"{type(error).__name__}: {error}"[-4000:]
-            entry["traceback"] = traceback.format_exc()[-4000:]
-            print(f"{name:7s} FAILED: {entry['error'][:500]}", flush=True)
-        write()
-    write()
     return 0
+
+
+def run_child(name: str, path: str, token_counts) -> int:
+    """``--child``: :func:`run_impl` of ``name``; its entry (or the error so far) to ``path``."""
+    try:
+        entry = run_impl(name, token_counts)
+        status = 0
+    except Exception as error:  # recorded for the parent
+        entry = dict(getattr(error, "entry", {}), error=f"{type(error).__name__}: {error}"[-4000:],
+                     traceback=traceback.format_exc()[-4000:])
+        status = 1
+    with open(path, "w") as f:
+        json.dump(entry, f)
+    return status
 
 
 SASS_COUNTS = {"HGMMA": r"\bHGMMA\.", "WARPGROUP.DEPBAR": r"\bWARPGROUP\.DEPBAR",
@@ -556,15 +605,23 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["compile"]:
         return run_compile(argv[1:])
+    child = argv[:1] == ["--child"]
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    if child:
+        argv = argv[1:]
+        parser.add_argument("name", choices=IMPLS)
     parser.add_argument("out", help="JSON file to write")
     parser.add_argument("--tokens", type=int, nargs="+", default=[CHECK_TOKENS, 32768])
     parser.add_argument("--impl", nargs="+", choices=IMPLS, default=list(IMPLS))
+    parser.add_argument("--timeout", type=float, default=90.0,
+                        help="seconds per implementation (check, compiles and timing)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device: the timing run needs the GPU (the compile subcommand does not)")
         return 2
-    return run_gpu(args.out, args.tokens, args.impl)
+    if child:
+        return run_child(args.name, args.out, args.tokens)
+    return run_gpu(args.out, args.tokens, args.impl, args.timeout)
 
 
 if __name__ == "__main__":

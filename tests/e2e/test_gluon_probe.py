@@ -5,6 +5,8 @@ skipped without it). The Gluon kernel itself only runs on an sm_90 GPU."""
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 import os
 import subprocess
@@ -154,3 +156,67 @@ def test_compile_subcommand_for_sm90():
         assert "HGMMA 132 " in lines[name] and "WARPGROUP.DEPBAR 17 " in lines[name]
         assert "UTMALDG" in lines[name] and "USETMAXREG 0 " not in lines[name]
     assert "spill 0/0" in lines["triton"], lines["triton"]
+
+
+def test_gpu_run_records_failures_and_hangs(probe, tmp_path, monkeypatch):
+    """Each implementation runs in a child process: a result, a failure (exit status 1 with
+    the child's error) and a hang (time limit) all end up in the JSON, in IMPLS order."""
+    calls = []
+
+    def run(command, capture_output, text, timeout):
+        name, part = command[3], command[4]
+        calls.append(name)
+        if name == "gluon_wg1":
+            raise subprocess.TimeoutExpired(command, timeout, output=b"gluon_wg1 check\n")
+        entry = {"times": {"4096": {"ms": 2.0}}} if name == "triton" else \
+            {"times": {}, "error": "CompilationError: boom"}
+        with open(part, "w") as f:
+            json.dump(entry, f)
+        return subprocess.CompletedProcess(command, 0 if name == "triton" else 1,
+                                           stdout=f"{name} line\n", stderr="trace")
+
+    monkeypatch.setattr(probe.subprocess, "run", run)
+    monkeypatch.setattr(probe.torch.cuda, "get_device_name", lambda device: "fake H200")
+    out = tmp_path / "probe.json"
+    assert probe.run_gpu(str(out), [4096], ["gluon_wg1", "gluon", "triton"], timeout=5) == 0
+    assert calls == ["triton", "gluon", "gluon_wg1"]
+    result = json.loads(out.read_text())
+    assert result["gpu"] == "fake H200" and result["tokens"] == [4096]
+    impls = result["impls"]
+    assert impls["triton"] == {"times": {"4096": {"ms": 2.0}}}
+    assert impls["gluon"]["error"] == "CompilationError: boom" and impls["gluon"]["stderr"]
+    assert "timed out after 5" in impls["gluon_wg1"]["error"]
+    assert impls["gluon_wg1"]["stdout"] == "gluon_wg1 check\n"
+
+
+def test_child_writes_its_error(probe, tmp_path, monkeypatch):
+    def fail(name, tokens):
+        error = RuntimeError("CUDA error: an illegal memory access")
+        error.entry = {"tiles": {"block_m": 128}, "times": {}, "errors": {"max_abs": 0.0}}
+        raise error
+
+    monkeypatch.setattr(probe, "run_impl", fail)
+    path = tmp_path / "part.json"
+    assert probe.run_child("gluon", str(path), [4096]) == 1
+    entry = json.loads(path.read_text())
+    assert entry["tiles"] == {"block_m": 128} and entry["errors"] == {"max_abs": 0.0}
+    assert entry["error"].startswith("RuntimeError: CUDA error") and "Traceback" in \
+        entry["traceback"]
+
+
+def test_run_impl_checks_then_times(probe, monkeypatch):
+    """run_impl's path on CPU: the Triton kernel (interpreter) against the reference at the
+    check length, then one time per token count, TFLOP/s from ``flops``."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1")
+    small = functools.partial(_inputs, probe, heads=4, index_heads=1, dtype=torch.float32)
+    monkeypatch.setattr(probe, "paper_inputs", lambda tokens, device: small(tokens))
+    monkeypatch.setattr(probe, "INDEX_HEADS", 1)
+    monkeypatch.setattr(probe, "CHECK_TOKENS", 40)
+    monkeypatch.setattr(probe.torch.cuda, "synchronize", lambda: None)
+    timed = []
+    monkeypatch.setattr(probe, "time_ms", lambda fn: (timed.append(fn().shape), 4.0)[1])
+    entry = probe.run_impl("triton", [40, 70])
+    assert entry["errors"]["rel_norm"] < 1e-5, entry
+    assert timed == [(40, 1, 16), (70, 1, 16)]
+    assert entry["times"]["70"] == {"ms": 4.0, "tflops": probe.flops(70) / 4.0 / 1e9}

@@ -150,17 +150,20 @@ def test_compile_subcommand_for_sm90():
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     lines = {line.split()[0]: line for line in done.stdout.splitlines()[1:]}
-    assert set(lines) == {"triton", "gluon", "gluon_wg1"}, done.stdout
-    for name in ("gluon", "gluon_wg1"):
+    assert set(lines) == {"triton", "gluon", "gluon_wg1", "gluon_bn128"}, done.stdout
+    for name in ("gluon", "gluon_wg1", "gluon_bn128"):  # 16 heads + k_idx: 17 waits
         assert "wgmma serialised no " in lines[name], lines[name]
-        assert "HGMMA 132 " in lines[name] and "WARPGROUP.DEPBAR 17 " in lines[name]
-        assert "UTMALDG" in lines[name] and "USETMAXREG 0 " not in lines[name]
+        assert "WARPGROUP.DEPBAR 17 " in lines[name], lines[name]
+        hgmma = int(lines[name].split("HGMMA ")[1].split()[0])
+        assert hgmma >= 16 * 8, lines[name]  # 8 k-steps of 16 per head's [.., 128] product
+        assert "USETMAXREG 0 " not in lines[name] and "UTMALDG 0 " not in lines[name]
     assert "spill 0/0" in lines["triton"], lines["triton"]
 
 
 def test_gpu_run_records_failures_and_hangs(probe, tmp_path, monkeypatch):
     """Each implementation runs in a child process: a result, a failure (exit status 1 with
-    the child's error) and a hang (time limit) all end up in the JSON, in IMPLS order."""
+    the child's error) and a hang (time limit) all end up in the JSON, in IMPLS order; the
+    Gluon ones after a hang are skipped."""
     calls = []
 
     def run(command, capture_output, text, timeout):
@@ -178,7 +181,8 @@ def test_gpu_run_records_failures_and_hangs(probe, tmp_path, monkeypatch):
     monkeypatch.setattr(probe.subprocess, "run", run)
     monkeypatch.setattr(probe.torch.cuda, "get_device_name", lambda device: "fake H200")
     out = tmp_path / "probe.json"
-    assert probe.run_gpu(str(out), [4096], ["gluon_wg1", "gluon", "triton"], timeout=5) == 0
+    assert probe.run_gpu(str(out), [4096], ["gluon_bn128", "gluon_wg1", "gluon", "triton"],
+                         timeout=5) == 0
     assert calls == ["triton", "gluon", "gluon_wg1"]
     result = json.loads(out.read_text())
     assert result["gpu"] == "fake H200" and result["tokens"] == [4096]
@@ -187,6 +191,7 @@ def test_gpu_run_records_failures_and_hangs(probe, tmp_path, monkeypatch):
     assert impls["gluon"]["error"] == "CompilationError: boom" and impls["gluon"]["stderr"]
     assert "timed out after 5" in impls["gluon_wg1"]["error"]
     assert impls["gluon_wg1"]["stdout"] == "gluon_wg1 check\n"
+    assert impls["gluon_bn128"] == {"error": "skipped: gluon_wg1 hung"}
 
 
 def test_child_writes_its_error(probe, tmp_path, monkeypatch):

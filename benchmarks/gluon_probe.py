@@ -594,7 +594,7 @@ def compile_sm90(name: str) -> dict:
     with contextlib.redirect_stdout(log):
         kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from sass_check import sass_text
+    from sass_check import sass_text, uninitialized_uniform_reads
 
     sass = sass_text(kernel.asm["cubin"]) or ""
     maxnreg = sorted({int(r) for r in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned"
@@ -602,7 +602,8 @@ def compile_sm90(name: str) -> dict:
     return dict(kernel=name, block_m=bm, block_n=bn, shared=kernel.metadata.shared,
                 num_warps=kernel.metadata.num_warps, **ptxas_resources(log.getvalue()),
                 setmaxnreg=maxnreg, wgmma_serialized=serialized(log.getvalue()),
-                sass=sass_counts(sass))
+                sass=sass_counts(sass),  # ptxas 12.8's never-written uniform registers
+                uninit=[f"{r}@{a:#x}" for a, r, _ in uninitialized_uniform_reads(sass)])
 
 
 def run_compile(argv) -> int:
@@ -622,7 +623,8 @@ def run_compile(argv) -> int:
         print(f"{name:7s} BM {r['block_m']} BN {r['block_n']} warps {r['num_warps']} "
               f"regs {r['registers']} spill {r['spill_stores']}/{r['spill_loads']} "
               f"shared {r['shared']} setmaxnreg {r['setmaxnreg']} "
-              f"wgmma serialised {r['wgmma_serialized'] or 'no'} | {sass}", flush=True)
+              f"wgmma serialised {r['wgmma_serialized'] or 'no'} "
+              f"uninit UR {' '.join(r['uninit']) or 'none'} | {sass}", flush=True)
     return 1 if bad else 0
 
 

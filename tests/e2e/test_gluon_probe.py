@@ -158,6 +158,8 @@ def test_compile_subcommand_for_sm90():
         assert hgmma >= 16 * 8, lines[name]  # 8 k-steps of 16 per head's [.., 128] product
         assert "USETMAXREG 0 " not in lines[name] and "UTMALDG 0 " not in lines[name]
     assert "spill 0/0" in lines["triton"], lines["triton"]
+    for line in lines.values():  # sass_check.py: the ptxas 12.8 bug seen in session 10
+        assert "uninit UR none " in line, line
 
 
 def test_gpu_run_records_failures_and_hangs(probe, tmp_path, monkeypatch):

@@ -66,7 +66,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 LOG2E = 1.4426950408889634
 HEADS, INDEX_HEADS, HEAD_DIM, INDEX_DIM = 64, 4, 128, 128  # paper heads (Hkv == Hi)
 CHECK_TOKENS = 4096
-IMPLS = ("triton", "gluon", "gluon_wg1", "gluon_bn128")  # the order of a GPU run: Gluon last
+# the order of a GPU run: Gluon last
+IMPLS = ("triton", "gluon", "gluon_wg1", "gluon_bn128", "gluon_pp")
 
 
 def _check_inputs(q, k, lse, k_idx, index_heads):
@@ -331,10 +332,89 @@ def _teacher_rows_gluon_kernel(q_desc, k_desc, ki_desc, lse2_ptr, out_ptr, T, HI
     ], [1], [PRODUCER_REGS])
 
 
+@gluon.jit
+def _gluon_pp_producer(q_desc, k_desc, ki_desc, qa_smem, qb_smem, k_smem, ki_smem, qa_ready,
+                       qa_empty, qb_ready, qb_empty, kv_ready, kv_empty, m, i, last,
+                       G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+                       QS: gl.constexpr, KS: gl.constexpr):
+    """Producer of the ping-pong kernel: per key step K and ``k_idx``, then per head the Q
+    tiles of both consumers' row halves (``BM / 2`` rows each) into their own rings."""
+    qc = 0
+    for n in range(last):
+        slot = n % KS
+        mbarrier.wait(kv_empty.index(slot), ((n // KS) & 1) ^ 1)
+        mbarrier.expect(kv_ready.index(slot), k_desc.block_type.nbytes + ki_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [n * BN, i * D], kv_ready.index(slot),
+                                        k_smem.index(slot))
+        tma.async_copy_global_to_shared(ki_desc, [n * BN, 0], kv_ready.index(slot),
+                                        ki_smem.index(slot))
+        for j in range(G):
+            qs = qc % QS
+            phase = ((qc // QS) & 1) ^ 1
+            mbarrier.wait(qa_empty.index(qs), phase)
+            mbarrier.expect(qa_ready.index(qs), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [m * BM, (i * G + j) * D],
+                                            qa_ready.index(qs), qa_smem.index(qs))
+            mbarrier.wait(qb_empty.index(qs), phase)
+            mbarrier.expect(qb_ready.index(qs), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [m * BM + BM // 2, (i * G + j) * D],
+                                            qb_ready.index(qs), qb_smem.index(qs))
+            qc += 1
+
+
+@gluon.jit
+def _teacher_rows_gluon_pp_kernel(q_desc, k_desc, ki_desc, lse2_ptr, out_ptr, T, HI, C,
+                                  G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                                  D: gl.constexpr, DI: gl.constexpr, QS: gl.constexpr,
+                                  KS: gl.constexpr, ACC_SMEM: gl.constexpr,
+                                  CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                                  num_warps: gl.constexpr):
+    """Ping-pong: program (query tile ``m`` of ``BM`` rows, index head ``i``) with two consumer
+    partitions of one warpgroup each (the default and a worker) on the two row halves, each
+    with its own Q ring and barriers (a thread barrier syncs only its own partition, so the
+    two drift apart and one's exp2 runs under the other's products), sharing the K / ``k_idx``
+    ring (``empty`` counts both); both walk the whole tile's key steps (the first half's last
+    one masked out)."""
+    HALF: gl.constexpr = BM // 2
+    m = gl.num_programs(0) - 1 - gl.program_id(0)  # the longest rows first (causal tail)
+    i = gl.program_id(1)
+    last = gl.cdiv(gl.minimum(m * BM + BM, T), BN)
+    qa_smem = gl.allocate_shared_memory(q_desc.dtype, [QS, HALF, D], q_desc.layout)
+    qb_smem = gl.allocate_shared_memory(q_desc.dtype, [QS, HALF, D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [KS, BN, D], k_desc.layout)
+    ki_smem = gl.allocate_shared_memory(ki_desc.dtype, [KS, BN, DI], ki_desc.layout)
+    qa_ready = gl.allocate_shared_memory(gl.int64, [QS, 1], mbarrier.MBarrierLayout())
+    qa_empty = gl.allocate_shared_memory(gl.int64, [QS, 1], mbarrier.MBarrierLayout())
+    qb_ready = gl.allocate_shared_memory(gl.int64, [QS, 1], mbarrier.MBarrierLayout())
+    qb_empty = gl.allocate_shared_memory(gl.int64, [QS, 1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [KS, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [KS, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(QS):
+        mbarrier.init(qa_ready.index(s), count=1)
+        mbarrier.init(qa_empty.index(s), count=1)
+        mbarrier.init(qb_ready.index(s), count=1)
+        mbarrier.init(qb_empty.index(s), count=1)
+    for s in gl.static_range(KS):
+        mbarrier.init(kv_ready.index(s), count=1)
+        mbarrier.init(kv_empty.index(s), count=2)  # one release per consumer
+    fence_async_shared()
+    gl.warp_specialize([
+        (_gluon_consumer, (lse2_ptr, out_ptr, qa_smem, k_smem, ki_smem, qa_ready, qa_empty,
+                           kv_ready, kv_empty, m * 2, i, (m * BM) // BN, last, T, HI, C, G,
+                           HALF, BN, DI, QS, KS, 4, ACC_SMEM)),
+        (_gluon_consumer, (lse2_ptr, out_ptr, qb_smem, k_smem, ki_smem, qb_ready, qb_empty,
+                           kv_ready, kv_empty, m * 2 + 1, i, (m * BM + HALF) // BN, last, T,
+                           HI, C, G, HALF, BN, DI, QS, KS, 4, ACC_SMEM)),
+        (_gluon_pp_producer, (q_desc, k_desc, ki_desc, qa_smem, qb_smem, k_smem, ki_smem,
+                              qa_ready, qa_empty, qb_ready, qb_empty, kv_ready, kv_empty, m, i,
+                              last, G, BM, BN, D, QS, KS)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
 # gluon: two consumer warpgroups (BM 128, 8 warps) sharing the K / k_idx tiles; the variants
 # change only what they name
 GLUON_TILES = {"block_m": 128, "block_n": 64, "q_stages": 4, "kv_stages": 2, "num_warps": 8,
-               "producer_regs": 40, "acc_smem": False}
+               "producer_regs": 40, "acc_smem": False, "ping_pong": False, "consumer_regs": 232}
 GLUON_VARIANTS = {
     "gluon": {},
     "gluon_wg1": {"block_m": 64, "num_warps": 4},  # one consumer warpgroup
@@ -342,6 +422,8 @@ GLUON_VARIANTS = {
     # warpgroup, acc kept in shared memory between key steps
     "gluon_bn128": {"block_m": 64, "num_warps": 4, "block_n": 128, "q_stages": 3,
                     "acc_smem": True},
+    # two consumer partitions (one warpgroup each, 64 rows each) that drift apart: ping-pong
+    "gluon_pp": {"block_m": 128, "num_warps": 4, "ping_pong": True, "q_stages": 3},
 }
 
 
@@ -358,11 +440,23 @@ def _gluon_descriptors(q, k, k_idx, block_m, block_n):
     return descs
 
 
+def _gluon_kernel(t: dict, group: int, dim: int, index_dim: int):
+    """``(kernel, rows of a Q tile, constexprs)`` of the Gluon kernel for tiles ``t``."""
+    constants = {"G": group, "BM": t["block_m"], "BN": t["block_n"], "D": dim, "DI": index_dim,
+                 "QS": t["q_stages"], "KS": t["kv_stages"], "ACC_SMEM": t["acc_smem"],
+                 "PRODUCER_REGS": t["producer_regs"], "num_warps": t["num_warps"]}
+    if t["ping_pong"]:
+        constants["CONSUMER_REGS"] = t["consumer_regs"]
+        return _teacher_rows_gluon_pp_kernel, t["block_m"] // 2, constants
+    return _teacher_rows_gluon_kernel, t["block_m"], constants
+
+
 def teacher_rows_gluon(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor,
                        k_idx: torch.Tensor, index_heads: int, **tiles) -> torch.Tensor:
     """Teacher rows by the warp-specialised Gluon kernel (sm_90, bf16 / fp16 inputs);
     arguments and result as :func:`teacher_rows_torch`; ``tiles`` override
-    :data:`GLUON_TILES` (``block_m`` must be ``16 num_warps``: one row block per warp)."""
+    :data:`GLUON_TILES` (a consumer warpgroup per 64 rows: ``block_m`` must be ``16
+    num_warps``, or with ``ping_pong`` ``32 num_warps``)."""
     tokens, heads, hi, dim, di = _check_inputs(q, k, lse, k_idx, index_heads)
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"q must be bf16 or fp16 for the Gluon kernel, got {q.dtype}")
@@ -370,20 +464,17 @@ def teacher_rows_gluon(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor,
     if unknown:
         raise ValueError(f"unknown tiles {sorted(unknown)}; known: {sorted(GLUON_TILES)}")
     t = dict(GLUON_TILES, **tiles)
-    if t["block_m"] != 16 * t["num_warps"]:
-        raise ValueError(f"block_m must be 16 num_warps = {16 * t['num_warps']}, "
+    per_warp = 32 if t["ping_pong"] else 16
+    if t["block_m"] != per_warp * t["num_warps"]:
+        raise ValueError(f"block_m must be {per_warp} num_warps = {per_warp * t['num_warps']}, "
                          f"got {t['block_m']}")
-    group = heads // hi
+    kernel, q_rows, constants = _gluon_kernel(t, heads // hi, dim, di)
     q, k, k_idx = q.contiguous(), k.contiguous(), k_idx.contiguous()
     out = torch.empty(tokens, hi, di, dtype=torch.float32, device=q.device)
-    q_desc, k_desc, ki_desc = _gluon_descriptors(q, k, k_idx, t["block_m"], t["block_n"])
+    descs = _gluon_descriptors(q, k, k_idx, q_rows, t["block_n"])
     grid = (triton.cdiv(tokens, t["block_m"]), hi)
-    _teacher_rows_gluon_kernel[grid](q_desc, k_desc, ki_desc, _lse2(lse, group), out, tokens,
-                                     hi, dim ** -0.5 * LOG2E, G=group, BM=t["block_m"],
-                                     BN=t["block_n"], D=dim, DI=di, QS=t["q_stages"],
-                                     KS=t["kv_stages"], ACC_SMEM=t["acc_smem"],
-                                     PRODUCER_REGS=t["producer_regs"],
-                                     num_warps=t["num_warps"])
+    kernel[grid](*descs, _lse2(lse, heads // hi), out, tokens, hi, dim ** -0.5 * LOG2E,
+                 **constants)
     return out
 
 
@@ -572,21 +663,17 @@ def compile_sm90(name: str) -> dict:
                            attrs)
     elif name in GLUON_VARIANTS:
         t = dict(GLUON_TILES, **GLUON_VARIANTS[name])
+        kernel, q_rows, constants = _gluon_kernel(t, group, HEAD_DIM, INDEX_DIM)
         bm, bn = t["block_m"], t["block_n"]
         descs = {}
-        for arg, block in (("q_desc", [bm, HEAD_DIM]), ("k_desc", [bn, HEAD_DIM]),
+        for arg, block in (("q_desc", [q_rows, HEAD_DIM]), ("k_desc", [bn, HEAD_DIM]),
                            ("ki_desc", [bn, INDEX_DIM])):
             layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
             descs[arg] = f"tensordesc<bf16[{block[0]}, {block[1]}],{layout!r}>"
         signature = dict(descs, lse2_ptr="*fp32", out_ptr="*fp32", T="i32", HI="i32", C="fp32")
-        constants = {"G": group, "BM": bm, "BN": bn, "D": HEAD_DIM, "DI": INDEX_DIM,
-                     "QS": t["q_stages"], "KS": t["kv_stages"],
-                     "ACC_SMEM": t["acc_smem"], "PRODUCER_REGS": t["producer_regs"],
-                     "num_warps": t["num_warps"]}
         options = {"num_warps": t["num_warps"]}
         attrs = {(j,): [["tt.divisibility", 16]] for j in (3, 4)}
-        source = GluonASTSource(_teacher_rows_gluon_kernel,
-                                dict(signature, **{c: "constexpr" for c in constants}),
+        source = GluonASTSource(kernel, dict(signature, **{c: "constexpr" for c in constants}),
                                 constants, attrs)
     else:
         raise ValueError(f"name must be one of {IMPLS}, got {name!r}")

@@ -261,6 +261,24 @@ def _query_tile_ranges(q_pos: torch.Tensor, q_kbase: torch.Tensor, Tk: int, bm: 
     return m_lo.to(torch.int32).contiguous(), m_hi.to(torch.int32).contiguous()
 
 
+def student_lse(q_idx: torch.Tensor, k_idx: torch.Tensor, q_pos: torch.Tensor,
+                q_kbase: torch.Tensor, index_scale: float, bm: int, bn: int) -> torch.Tensor:
+    """``lse_z [Tq, Hi]`` fp32 (natural log): the student's log-normaliser over each causal row
+    (:func:`_lse_z_kernel`, query tiles of ``bm`` rows, key tiles of ``bn``); q_idx
+    ``[Tq, Hi, Di]`` and k_idx ``[Tk, Hik, Di]`` with unit last stride."""
+    Tq, Hi, Di = q_idx.shape
+    Tk, Hik = k_idx.shape[0], k_idx.shape[1]
+    upcast, ieee = dot_flags(q_idx.dtype)
+    lse_z = torch.empty((Tq, Hi), dtype=torch.float32, device=q_idx.device)
+    _lse_z_kernel[(triton.cdiv(Tq, bm), Hi)](
+        q_idx, k_idx, q_pos, q_kbase, lse_z, Tq, Tk, float(index_scale),
+        q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), k_idx.stride(1), lse_z.stride(0),
+        HPK=Hi // Hik, DI=Di, BM=bm, BN=bn, UPCAST=upcast, IEEE=ieee, num_warps=4,
+        **stage_options(q_idx.dtype),
+    )
+    return lse_z
+
+
 def dense_kl_loss(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: float,
                   index_scale: float, kl_scale: float, compute_grad: bool) -> tuple:
     """``kl_scale * sum_{p,i} KL[i,p]`` over the whole causal row, and its index gradients.
@@ -300,13 +318,7 @@ def dense_kl_loss(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: float,
         bm, bn, stages = tile_rows(bm, q.dtype), tile_rows(bn, q.dtype), 1
     scale2 = float(softmax_scale) * _LOG2E
     iscale = float(index_scale)
-    lse_z = torch.empty((Tq, Hi), dtype=torch.float32, device=dev)
-    _lse_z_kernel[(triton.cdiv(Tq, bm), Hi)](
-        q_idx, k_idx, q_pos, q_kbase, lse_z, Tq, Tk, iscale,
-        q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), k_idx.stride(1), lse_z.stride(0),
-        HPK=Hi // Hik, DI=Di, BM=bm, BN=bn, UPCAST=upcast, IEEE=ieee, num_warps=4,
-        **stage_options(q.dtype),
-    )
+    lse_z = student_lse(q_idx, k_idx, q_pos, q_kbase, iscale, bm, bn)
     m_lo, m_hi = _query_tile_ranges(q_pos, q_kbase, Tk, bm, bn)
     n_tiles = triton.cdiv(Tk, bn)
     kl_part = torch.empty(n_tiles * Hi, dtype=torch.float32, device=dev)

@@ -1,0 +1,290 @@
+"""Dense (warm-up) mode KL with a warp-specialised Gluon pass over Q K^T (sm_90).
+
+The contract, math and scales of :func:`.dense_kl.dense_kl_loss` (read its docstring): per
+index head ``i`` the teacher ``T = mean_h exp(s_h - lse_h)``, the student
+``log Qs = z - lse_z``, ``KL = sum_u T (log T - log Qs)``, ``dz = Qs - T``,
+``dq_idx = sum_u dz k_idx``, ``dk_idx = sum_t dz q_idx`` (times ``index_scale * kl_scale``).
+Finite inputs only (non-finite ones go to :mod:`.dense_kl`, which implements MSA_SPEC 7).
+
+Two passes per **key chunk** ``[c0, c0 + C)`` (``C`` bounds the ``dz`` buffer, default budget
+:data:`DZ_BUDGET_BYTES`), launched in order:
+
+- **pass A** (query-tile-outer; Gluon on the GPU, :mod:`._dense_kl_gluon_kernels`; a torch
+  emulation for CPU tests): program (query tile ``m`` of ``BM`` rows, index head ``i``) walks
+  its key tiles ``[n_lo[m], n_hi[m])`` met with the chunk; adds its KL partial, adds ``dz k_idx``
+  to the fp32 ``dq_idx`` (load + add + store; one program per rows and head per launch) and
+  stores ``dz`` (times :data:`~.dense_kl._DZ_SCALE`, input dtype) into ``dz_buf [Hi, Tq_pad, C]``.
+- **pass B** (key-tile-outer, plain Triton: :func:`_dk_pass_kernel`): program (key tile ``n`` of
+  the chunk, index head ``i``) sums ``dz^T q_idx`` over the query tiles ``m`` with
+  ``n_lo[m] <= n < n_hi[m]`` (the very arrays pass A used: it reads only tiles pass A wrote).
+
+``n_lo`` / ``n_hi`` (:func:`key_tile_ranges`) are monotone in ``m`` (running min / max of the
+tiles' key bounds, device tensors, no host sync), so each key tile's query tiles are one range
+too. Every sum has a fixed order and no atomics: the result is bitwise repeatable.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import dot_flags, interpreting, mma
+from .dense_kl import _DZ_SCALE, _LOG2E, dense_kl_loss, student_lse
+
+# the dz buffer of one key chunk: Hi x Tq x C elements of the input dtype
+DZ_BUDGET_BYTES = 2 << 30
+# pass A's tiles (the Gluon kernel's: one consumer warpgroup of 64 rows, key tiles of 128)
+BLOCK_M, BLOCK_N = 64, 128
+_HEAD_DIMS = (64, 128)
+_MAX_HPI = 16
+
+
+def gluon_kl_supported(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor,
+                       k_idx: torch.Tensor) -> tuple:
+    """``(True, "")`` when :func:`dense_kl_loss_gluon` runs these inputs, else ``(False,
+    reason)``: a CUDA device of compute capability 9.x, Gluon's Hopper modules importable,
+    fp16/bf16, ``D`` and ``Di`` in {64, 128}, ``Hq / Hi`` in 1..16, ``Hkv`` dividing ``Hi`` and
+    ``Hik`` dividing ``Hi``. (Finiteness is checked by the call itself, which hands non-finite
+    inputs to :mod:`.dense_kl`.)"""
+    if q.device.type != "cuda":
+        return False, f"needs a CUDA device, inputs are on {q.device.type}"
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if major != 9:
+        return False, f"needs compute capability 9.x (sm_90), device has {major}.{minor}"
+    try:
+        from . import _dense_kl_gluon_kernels  # noqa: F401
+    except ImportError as err:
+        return False, f"triton.experimental.gluon (Hopper) not importable: {err}"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return False, f"needs fp16/bf16 inputs, got {q.dtype}"
+    if any(x.dtype != q.dtype for x in (k, q_idx, k_idx)):
+        return False, "q, k, q_idx, k_idx must share a dtype"
+    hq, d = q.shape[1], q.shape[2]
+    hkv, hi, di, hik = k.shape[1], q_idx.shape[1], q_idx.shape[2], k_idx.shape[1]
+    if d not in _HEAD_DIMS or di not in _HEAD_DIMS:
+        return False, f"needs D and Di in {_HEAD_DIMS}, got D {d}, Di {di}"
+    if hq % hi or not 1 <= hq // hi <= _MAX_HPI:
+        return False, f"needs Hq / Hi in 1..{_MAX_HPI}, got Hq {hq}, Hi {hi}"
+    if hi % hkv or hi % hik:
+        return False, f"needs Hkv and Hik to divide Hi, got Hkv {hkv}, Hik {hik}, Hi {hi}"
+    return True, ""
+
+
+def key_tile_ranges(q_pos: torch.Tensor, q_kbase: torch.Tensor, Tk: int, bm: int, bn: int):
+    """``(n_lo, n_hi)`` int32 ``[cdiv(Tq, bm)]``: query tile ``m`` reads key tiles
+    ``[n_lo[m], n_hi[m])``; and ``(m_lo, m_hi)`` int32 ``[cdiv(Tk, bn)]``: key tile ``n`` is read
+    by query tiles in ``[m_lo[n], m_hi[n])`` (exactly those with ``n_lo[m] <= n < n_hi[m]``).
+
+    A tile's key bounds (min ``kbase``, max ``kbase + pos`` over its rows) are made monotone in
+    ``m`` (reverse running min, running max), so both are non-decreasing: a superset of the keys
+    each tile's rows see (the kernels mask per element). No host sync."""
+    Tq = q_pos.shape[0]
+    n_m = triton.cdiv(Tq, bm)
+    n_k = triton.cdiv(Tk, bn)
+    pad = n_m * bm - Tq
+    kb = q_kbase.to(torch.int64)
+    last = kb + q_pos.to(torch.int64)
+    lo_t = torch.nn.functional.pad(kb, (0, pad), value=Tk).view(n_m, bm).amin(1)
+    hi_t = torch.nn.functional.pad(last, (0, pad), value=-1).view(n_m, bm).amax(1)
+    hi_t = torch.cummax(hi_t, 0).values
+    lo_t = torch.flip(torch.cummin(torch.flip(lo_t, (0,)), 0).values, (0,))
+    n_lo = torch.div(lo_t, bn, rounding_mode="floor").clamp(0, n_k)
+    n_hi = torch.maximum((torch.div(hi_t, bn, rounding_mode="floor") + 1).clamp(0, n_k), n_lo)
+    tiles = torch.arange(n_k, device=q_pos.device, dtype=torch.int64)
+    m_lo = torch.searchsorted(n_hi.contiguous(), tiles, right=True)  # first m with n_hi > n
+    m_hi = torch.maximum(torch.searchsorted(n_lo.contiguous(), tiles, right=True), m_lo)
+    return tuple(x.to(torch.int32).contiguous() for x in (n_lo, n_hi, m_lo, m_hi))
+
+
+def chunk_columns(Hi: int, Tq: int, Tk: int, itemsize: int, budget: int, bn: int) -> int:
+    """Key columns ``C`` of one chunk: ``budget / (Hi Tq itemsize)`` rounded down to a multiple
+    of ``bn``, at least ``bn``, at most the key tiles' span."""
+    cols = budget // max(Hi * Tq * itemsize, 1) // bn * bn
+    return min(max(cols, bn), triton.cdiv(Tk, bn) * bn)
+
+
+@triton.jit(do_not_specialize=("Tq", "Tk", "Tq_pad", "C", "ch_lo"))
+def _dk_pass_kernel(dz_ptr, qi_ptr, nlo_ptr, nhi_ptr, mlo_ptr, mhi_ptr, dkpart_ptr, Tq, Tk,
+                    Tq_pad, C, ch_lo, s_it, s_ih, DI: tl.constexpr, BM: tl.constexpr,
+                    BN: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """Pass B: program (key tile ``ch_lo + program_id(0)``, index head ``i``):
+    ``dk_part[i, u] = sum_t dz_buf[i, t, u - c0] q_idx[t, i]`` over the query tiles that pass A
+    gave this key tile (fp32, in query-tile order)."""
+    nn = tl.program_id(0)
+    i = tl.program_id(1)
+    n = ch_lo + nn
+    di = tl.arange(0, DI)
+    cols = nn * BN + tl.arange(0, BN)
+    krow = n * BN + tl.arange(0, BN)
+    acc = tl.zeros([BN, DI], tl.float32)
+    for m in range(tl.load(mlo_ptr + n), tl.load(mhi_ptr + n)):
+        if (tl.load(nlo_ptr + m) <= n) & (n < tl.load(nhi_ptr + m)):
+            t = m * BM + tl.arange(0, BM)
+            valid = t < Tq
+            rows = (i * Tq_pad + t).to(tl.int64)
+            dz = tl.load(dz_ptr + rows[:, None] * C + cols[None, :], mask=valid[:, None],
+                         other=0.0)
+            qi = tl.load(qi_ptr + t.to(tl.int64)[:, None] * s_it + i * s_ih + di[None, :],
+                         mask=valid[:, None], other=0.0)
+            acc += mma(tl.trans(dz), qi, UPCAST, IEEE)
+    tl.store(dkpart_ptr + (i * Tk + krow.to(tl.int64)[:, None]) * DI + di[None, :], acc,
+             mask=krow[:, None] < Tk)
+
+
+class _Launch:
+    """What one pass-A launch sees: the inputs, the tile ranges and the chunk's buffers."""
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+
+def pass_a_torch(a: _Launch) -> None:
+    """Pass A of one chunk in torch (fp32 math, the kernel's tile ranges and rounding): the CPU
+    stand-in of the Gluon kernel; adds to ``a.dq``, stores ``a.dz_buf`` tiles and ``a.kl_part``."""
+    bm, bn, hpi = a.bm, a.bn, a.Hq // a.Hi
+    n_lo, n_hi = a.n_lo.tolist(), a.n_hi.tolist()
+    for m in range(len(n_lo)):
+        lo, hi = max(n_lo[m], a.ch_lo), min(n_hi[m], a.ch_hi)
+        t = torch.arange(m * bm, m * bm + bm, device=a.q.device)
+        valid = t < a.Tq
+        tv = t.clamp(max=a.Tq - 1)
+        if hi <= lo:
+            a.kl_part[m * a.Hi:(m + 1) * a.Hi] = 0.0
+            continue
+        u = torch.arange(lo * bn, hi * bn, device=a.q.device)
+        uv = u.clamp(max=a.Tk - 1)
+        uin = u < a.Tk
+        kb, last = a.q_kbase[tv].long(), a.q_kbase[tv].long() + a.q_pos[tv].long()
+        inside = (u[None] >= kb[:, None]) & (u[None] <= last[:, None]) & valid[:, None]
+        for i in range(a.Hi):
+            g, j = i // (a.Hi // a.Hkv), i // (a.Hi // a.Hik)
+            kt = torch.where(uin[:, None], a.k[uv, g].float(), 0.0)
+            kit = torch.where(uin[:, None], a.k_idx[uv, j].float(), 0.0)
+            p = torch.zeros(bm, u.numel(), device=a.q.device)
+            for h in range(i * hpi, (i + 1) * hpi):
+                qh = torch.where(valid[:, None], a.q[tv, h].float(), 0.0)
+                lse2 = torch.where(valid, a.lse2[h, tv], 0.0)
+                p += torch.exp2(qh @ kt.T * a.scale2 - lse2[:, None])
+            teacher = torch.where(inside, p, 0.0)
+            qi = torch.where(valid[:, None], a.q_idx[tv, i].float(), 0.0)
+            log_qs = qi @ kit.T * a.iscale - torch.where(valid, a.lse_z[tv, i], 0.0)[:, None]
+            has_t = teacher != 0
+            log_t = torch.log(torch.where(has_t, teacher, 1.0))
+            kl = torch.where(has_t, teacher * (log_t - log_qs), 0.0).sum()
+            a.kl_part[m * a.Hi + i] = kl
+            if a.grad:
+                dz = (torch.where(inside, torch.exp(log_qs) - teacher, 0.0) * _DZ_SCALE)
+                dz = dz.to(a.q.dtype)
+                c = slice((lo - a.ch_lo) * bn, (hi - a.ch_lo) * bn)
+                a.dz_buf[i, m * bm:(m + 1) * bm, c] = dz
+                rows = t[valid]
+                a.dq[rows, i] += (dz.float() @ kit)[valid]
+
+
+def pass_a_gluon(a: _Launch) -> None:
+    """Pass A of one chunk by the Gluon kernel (:mod:`._dense_kl_gluon_kernels`)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from . import _dense_kl_gluon_kernels as kern
+
+    gdt = gl.bfloat16 if a.q.dtype == torch.bfloat16 else gl.float16
+
+    def desc(x, block):
+        view = x.view(x.shape[0], -1)
+        layout = gl.NVMMASharedLayout.get_default_for(block, gdt)
+        return TensorDescriptor(view, list(view.shape), list(view.stride()), block, layout)
+
+    D, Di = a.q.shape[2], a.q_idx.shape[2]
+    kern.dense_kl_pass_a[(len(a.n_lo), a.Hi)](
+        desc(a.q, [a.bm, D]), desc(a.k, [a.bn, D]), desc(a.q_idx, [a.bm, Di]),
+        desc(a.k_idx, [a.bn, Di]), a.lse2, a.lse_z, a.q_pos, a.q_kbase, a.n_lo, a.n_hi,
+        a.dz_buf, a.dq, a.kl_part, a.Tq, a.Tq_pad, a.C, a.ch_lo, a.ch_hi, a.scale2, a.iscale,
+        HI=a.Hi, G=a.Hq // a.Hi, IPG=a.Hi // a.Hkv, HPK=a.Hi // a.Hik, BM=a.bm, BN=a.bn, D=D,
+        DI=Di, QS=kern.Q_STAGES, KS=kern.KV_STAGES, GRAD=a.grad, DZS=_DZ_SCALE,
+        PRODUCER_REGS=kern.PRODUCER_REGS, num_warps=kern.WARPS,
+    )
+
+
+def dense_kl_chunked(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: float,
+                     index_scale: float, kl_scale: float, compute_grad: bool,
+                     pass_a: Callable[[_Launch], None], bm: int = BLOCK_M, bn: int = BLOCK_N,
+                     budget: int = DZ_BUDGET_BYTES, dz_fill: float | None = None) -> tuple:
+    """The key-chunk orchestration (module docstring) with pass A swappable
+    (:func:`pass_a_gluon` on the GPU, :func:`pass_a_torch` in CPU tests); pass B and ``lse_z``
+    are the Triton kernels. Arguments and result as :func:`.dense_kl.dense_kl_loss`; ``bm``,
+    ``bn``: pass A's tiles (pass B's too); ``budget``: bytes of the ``dz`` buffer;
+    ``dz_fill``: fill the buffer with this value first (tests: unwritten tiles show)."""
+    Tq, Hq, D = q.shape
+    Tk, Hkv, _ = k.shape
+    Hi, Di = q_idx.shape[1], q_idx.shape[2]
+    Hik = k_idx.shape[1]
+    dev = q.device
+    q, k, q_idx, k_idx = (x.contiguous() if x.contiguous().data_ptr() % 16 == 0
+                          else x.contiguous().clone() for x in (q, k, q_idx, k_idx))
+    lse = lse.float().contiguous()
+    lse_bm, lse_bn = (16, 16) if interpreting() else (64, 64)
+    lse_z = student_lse(q_idx, k_idx, q_pos, q_kbase, index_scale, lse_bm, lse_bn)
+    n_lo, n_hi, m_lo, m_hi = key_tile_ranges(q_pos, q_kbase, Tk, bm, bn)
+    n_m, n_k = triton.cdiv(Tq, bm), triton.cdiv(Tk, bn)
+    Tq_pad = n_m * bm
+    cols = chunk_columns(Hi, Tq_pad, Tk, q.element_size(), budget, bn) if compute_grad \
+        else n_k * bn
+    chunks = range(0, n_k * bn, cols)
+    kl_part = torch.zeros((len(chunks), n_m * Hi), dtype=torch.float32, device=dev)
+    dq = torch.zeros((Tq, Hi, Di) if compute_grad else (1,), dtype=torch.float32, device=dev)
+    dk_part = torch.empty((Hi, Tk, Di) if compute_grad else (1,), dtype=torch.float32,
+                          device=dev)
+    if compute_grad:
+        dz_buf = torch.empty((Hi, Tq_pad, cols), dtype=q.dtype, device=dev)
+        if dz_fill is not None:
+            dz_buf.fill_(dz_fill)
+    else:
+        dz_buf = torch.empty((1,), dtype=q.dtype, device=dev)
+    # the head mean folded into the exponent: lse log2e + log2 G, [Hq, Tq]
+    lse2 = (lse * _LOG2E + math.log2(Hq // Hi)).t().contiguous()
+    upcast, ieee = dot_flags(q.dtype)
+    for c, c0 in enumerate(chunks):
+        ch_lo, ch_hi = c0 // bn, min((c0 + cols) // bn, n_k)
+        pass_a(_Launch(q=q, k=k, q_idx=q_idx, k_idx=k_idx, lse2=lse2, lse_z=lse_z, q_pos=q_pos,
+                       q_kbase=q_kbase, n_lo=n_lo, n_hi=n_hi, dz_buf=dz_buf, dq=dq,
+                       kl_part=kl_part[c], Tq=Tq, Tk=Tk, Tq_pad=Tq_pad, C=cols, ch_lo=ch_lo,
+                       ch_hi=ch_hi, Hq=Hq, Hkv=Hkv, Hi=Hi, Hik=Hik, bm=bm, bn=bn,
+                       scale2=float(softmax_scale) * _LOG2E, iscale=float(index_scale),
+                       grad=compute_grad))
+        if compute_grad:
+            _dk_pass_kernel[(ch_hi - ch_lo, Hi)](
+                dz_buf, q_idx, n_lo, n_hi, m_lo, m_hi, dk_part, Tq, Tk, Tq_pad, cols, ch_lo,
+                q_idx.stride(0), q_idx.stride(1), DI=Di, BM=bm, BN=bn, UPCAST=upcast,
+                IEEE=ieee, num_warps=8 if bm * bn >= 64 * 128 else 4,
+            )
+    value = kl_part.sum() * kl_scale
+    if not compute_grad:
+        return value, q_idx.new_empty((0,)), k_idx.new_empty((0,))
+    out_scale = float(index_scale) * float(kl_scale) / _DZ_SCALE
+    # index heads reading one index key head, summed in a fixed order
+    dk_idx = dk_part.view(Hik, Hi // Hik, Tk, Di).sum(1).transpose(0, 1) * out_scale
+    return value, dq * out_scale, dk_idx.contiguous()
+
+
+def dense_kl_loss_gluon(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: float,
+                        index_scale: float, kl_scale: float, compute_grad: bool) -> tuple:
+    """:func:`.dense_kl.dense_kl_loss` with pass A in Gluon (module docstring); same arguments,
+    result and scales; deterministic. Raises ValueError naming the reason when
+    :func:`gluon_kl_supported` says no; inputs holding NaN/Inf (one device check, one host
+    sync) go to :func:`.dense_kl.dense_kl_loss`, which implements MSA_SPEC 7."""
+    ok, why = gluon_kl_supported(q, k, q_idx, k_idx)
+    if not ok:
+        raise ValueError(f"dense_kl_loss_gluon: unsupported inputs: {why}")
+    args = (q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale, index_scale, kl_scale,
+            compute_grad)
+    if q.shape[0] == 0:
+        return dense_kl_loss(*args)
+    finite = torch.stack([torch.isfinite(x).all() for x in (q, k, lse, q_idx, k_idx)]).all()
+    if not bool(finite):
+        return dense_kl_loss(*args)
+    return dense_kl_chunked(*args, pass_a=pass_a_gluon)

@@ -675,8 +675,17 @@ def compile_sm90(name: str) -> dict:
         attrs = {(j,): [["tt.divisibility", 16]] for j in (3, 4)}
         source = GluonASTSource(kernel, dict(signature, **{c: "constexpr" for c in constants}),
                                 constants, attrs)
+    elif name in KL_GROUPS:
+        return compile_kl_sm90(name)
     else:
-        raise ValueError(f"name must be one of {IMPLS}, got {name!r}")
+        raise ValueError(f"name must be one of {IMPLS + tuple(KL_GROUPS)}, got {name!r}")
+    return _compiled(name, source, options, bm, bn)
+
+
+def _compiled(name: str, source, options: dict, bm: int, bn: int) -> dict:
+    """Compile ``source`` for sm_90: the fields of :func:`compile_sm90`."""
+    from triton.backends.compiler import GPUTarget
+
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
         kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
@@ -695,7 +704,7 @@ def compile_sm90(name: str) -> dict:
 
 def run_compile(argv) -> int:
     """``compile [triton|gluon ...]``: one line per kernel; exit status 1 if any fails."""
-    names = argv or list(IMPLS)
+    names = argv or list(IMPLS) + list(KL_GROUPS)
     print(f"triton {triton.__version__}, sm_90, paper heads Hq {HEADS} Hi {INDEX_HEADS} "
           f"D {HEAD_DIM} Di {INDEX_DIM}, bf16")
     bad = 0
@@ -715,10 +724,228 @@ def run_compile(argv) -> int:
     return 1 if bad else 0
 
 
+# --- the fused dense KL (msa_megatron/ops/triton/dense_kl_gluon.py): sm_90 compile, GPU check ---
+KL_GROUPS = {"kl": 16, "kl_g4": 4, "kl_g1": 1}  # compile names: Hq / Hi of the kernel
+KL_CHECKS = {  # name: (document lengths, (Hq, Hkv, Hi, Hik), dtype, dz budget bytes or None)
+    "one_bf16": ([4096], (64, 4, 4, 1), torch.bfloat16, None),
+    "one_fp16": ([4096], (64, 4, 4, 1), torch.float16, None),
+    "packed_bf16": ([1000, 37, 3059], (64, 4, 4, 1), torch.bfloat16, None),
+    "t4000_bf16": ([4000], (64, 4, 4, 1), torch.bfloat16, None),
+    "hpi4_bf16": ([4096], (16, 4, 4, 1), torch.bfloat16, None),
+    "chunks_bf16": ([4096], (64, 4, 4, 1), torch.bfloat16, 16 << 20),  # 8 key chunks
+}
+KL_REFERENCE = ("hpi4_bf16",)  # float64 oracle too (Hq 16: affordable at 4096 tokens)
+KL_TOKENS = (32768, 131072)
+
+
+def compile_kl_sm90(name: str) -> dict:
+    """Compile the Gluon pass A of the dense KL (``dense_kl_pass_a``, bf16, D = Di = 128,
+    ``G = KL_GROUPS[name]`` heads per index head, with gradients) for sm_90; the fields of
+    :func:`compile_sm90`."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from msa_megatron.ops.triton import _dense_kl_gluon_kernels as kern
+
+    os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
+    os.environ["TRITON_ALWAYS_COMPILE"] = "1"
+    group, bm, bn = KL_GROUPS[name], kern.BLOCK_M, kern.BLOCK_N
+    descs = {}
+    for arg, block in (("q_desc", [bm, HEAD_DIM]), ("k_desc", [bn, HEAD_DIM]),
+                       ("qi_desc", [bm, INDEX_DIM]), ("ki_desc", [bn, INDEX_DIM]),
+                       ("dz_desc", [bm, bn])):
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+        descs[arg] = f"tensordesc<bf16[{block[0]}, {block[1]}],{layout!r}>"
+    signature = dict(descs, lse2_ptr="*fp32", lsez_ptr="*fp32", qpos_ptr="*i32", qkb_ptr="*i32",
+                     nlo_ptr="*i32", nhi_ptr="*i32", dq_ptr="*fp32", klpart_ptr="*fp32",
+                     Tq="i32", Tq_pad="i32", ch_lo="i32", ch_hi="i32", scale2="fp32",
+                     iscale="fp32")
+    constants = {"HI": INDEX_HEADS, "G": group, "IPG": 1, "HPK": INDEX_HEADS, "BM": bm, "BN": bn,
+                 "D": HEAD_DIM, "DI": INDEX_DIM, "QS": kern.Q_STAGES, "KS": kern.KV_STAGES,
+                 "KI_AT": min(2, group - 1), "GRAD": True, "DZS": 4096.0,
+                 "PRODUCER_REGS": kern.PRODUCER_REGS, "num_warps": kern.WARPS}
+    attrs = {(j,): [["tt.divisibility", 16]] for j in range(5, 13)}
+    source = GluonASTSource(kern.dense_kl_pass_a,
+                            dict(signature, **{c: "constexpr" for c in constants}), constants,
+                            attrs)
+    return _compiled(name, source, {"num_warps": kern.WARPS}, bm, bn)
+
+
+def _kl_inputs(lens, heads, dtype, device, seed=0, dim=HEAD_DIM):
+    """Dense-KL inputs: random normal q, k, q_idx, k_idx of ``heads = (Hq, Hkv, Hi, Hik)`` (D =
+    Di = 128), packed documents of ``lens``, the main LSE (fp32 math, chunked; above 8192
+    tokens in one document that of torch's flash attention forward)."""
+    from msa_megatron.layout import query_layout
+
+    hq, hkv, hi, hik = heads
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tokens = sum(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                      device=device)
+    q_pos, q_kbase = query_layout(cu, tokens, device)
+    q, k, q_idx, k_idx = (torch.randn(tokens, h, dim, device=device, generator=gen).to(dtype)
+                          for h in (hq, hkv, hi, hik))
+    kk = k.repeat_interleave(hq // hkv, dim=1)
+    if len(lens) == 1 and tokens > 8192:  # timing sizes: the LSE of torch's flash forward
+        qt, kt = q.transpose(0, 1)[None], kk.transpose(0, 1)[None]
+        lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            qt, kt, kt, 0.0, True, False, scale=HEAD_DIM ** -0.5)[1]
+        return q, k, lse[0].t().float().contiguous(), q_idx, k_idx, q_pos.contiguous(), \
+            q_kbase.contiguous()
+    lse = torch.empty(tokens, hq, dtype=torch.float32, device=device)
+    keys = torch.arange(tokens, device=device)
+    for r0 in range(0, tokens, 1024):
+        r1 = min(r0 + 1024, tokens)
+        s = torch.einsum("rhd,uhd->rhu", q[r0:r1].float(), kk.float()) * dim ** -0.5
+        lo, last = q_kbase[r0:r1].long(), (q_kbase[r0:r1] + q_pos[r0:r1]).long()
+        out = (keys[None] < lo[:, None]) | (keys[None] > last[:, None])
+        lse[r0:r1] = torch.logsumexp(s.masked_fill(out[:, None], -math.inf), dim=2)
+    return q, k, lse, q_idx, k_idx, q_pos.contiguous(), q_kbase.contiguous()
+
+
+def _kl_errors(got, want) -> dict:
+    """Norm-wise relative errors of ``(kl, dq_idx, dk_idx)``."""
+    return {name: (a.double() - b.double()).norm().item()
+            / max(b.double().norm().item(), 1e-300)
+            for name, a, b in zip(("kl", "dq_idx", "dk_idx"), got, want)}
+
+
+def run_kl_check(path: str, device: str = "cuda", checks=None, pass_a=None) -> dict:
+    """``--kl-child check``: each :data:`KL_CHECKS` case, Gluon against the plain Triton dense
+    KL (and the float64 oracle for :data:`KL_REFERENCE`), a bitwise repeat; the entry rewritten
+    to ``path`` after each case (a crash keeps the rows so far). ``device``, ``checks``
+    (default :data:`KL_CHECKS`) and ``pass_a`` (default the Gluon one): for a CPU dry run."""
+    from msa_megatron import reference as ref
+    from msa_megatron.ops.triton import dense_kl_gluon as dkg
+    from msa_megatron.ops.triton.dense_kl import dense_kl_loss
+
+    device = torch.device(device)
+    pass_a = pass_a or dkg.pass_a_gluon
+    entry = {}
+    for name, (lens, heads, dtype, budget) in (checks or KL_CHECKS).items():
+        x = _kl_inputs(lens, heads, dtype, device)
+        dim = x[0].shape[2]
+        scales = (dim ** -0.5, dim ** -0.5, 1.0, True)
+        ok, why = dkg.gluon_kl_supported(x[0], x[1], x[3], x[4])
+        row = {"lens": lens, "heads": heads, "dtype": str(dtype), "budget": budget,
+               "supported": ok, "why": why}
+        entry[name] = row
+        kw = {} if budget is None else {"budget": budget}
+        got = dkg.dense_kl_chunked(*x, *scales, pass_a=pass_a, **kw)
+        again = dkg.dense_kl_chunked(*x, *scales, pass_a=pass_a, **kw)
+        row["bitwise_repeat"] = all(torch.equal(a, b) for a, b in zip(got, again))
+        row["finite"] = all(bool(torch.isfinite(a).all()) for a in got)
+        want = dense_kl_loss(*x, *scales)
+        row["vs_triton"] = _kl_errors(got, want)
+        row["kl"] = {"gluon": got[0].item(), "triton": want[0].item()}
+        if name in KL_REFERENCE:
+            leaves = [t.double().requires_grad_() for t in (x[3], x[4])]
+            oracle = ref.kl_core_reference(x[0].double(), x[1].double(), *leaves, None, x[5],
+                                           x[6], block_size=16, softmax_scale=scales[0],
+                                           index_scale=scales[1], kl_scale=1.0)
+            oracle = (oracle, *torch.autograd.grad(oracle, leaves))
+            row["gluon_vs_float64"] = _kl_errors(got, oracle)
+            row["triton_vs_float64"] = _kl_errors(want, oracle)
+            del oracle, leaves
+        print(f"kl check {name:12s}: {json.dumps(row)}", flush=True)
+        with open(path, "w") as f:
+            json.dump(entry, f)
+        del x, got, again, want
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return entry
+
+
+def run_kl_time(impl: str, path: str, token_counts) -> dict:
+    """``--kl-child time_<impl>``: median fwd+grad time of one dense KL implementation
+    (``gluon``: :func:`dense_kl_loss_gluon`, ``triton``: :func:`dense_kl.dense_kl_loss`) at
+    the paper heads, one sequence, per token count; rewritten to ``path`` after each."""
+    from msa_megatron.ops.triton.dense_kl import dense_kl_loss
+    from msa_megatron.ops.triton.dense_kl_gluon import dense_kl_loss_gluon
+
+    fn = dense_kl_loss_gluon if impl == "gluon" else dense_kl_loss
+    entry = {}
+    for tokens in token_counts:
+        x = _kl_inputs([tokens], (HEADS, INDEX_HEADS, INDEX_HEADS, 1), torch.bfloat16,
+                       torch.device("cuda"))
+        reps = 5 if tokens <= 32768 else 3
+        ms = time_ms(lambda: fn(*x, HEAD_DIM ** -0.5, INDEX_DIM ** -0.5, 1.0, True),
+                     warmup=2, reps=reps)
+        entry[str(tokens)] = {"ms": ms, "reps": reps}
+        print(f"kl {impl:6s} T {tokens:6d}: {ms:9.3f} ms (median of {reps})", flush=True)
+        with open(path, "w") as f:
+            json.dump(entry, f)
+        del x
+        torch.cuda.empty_cache()
+    return entry
+
+
+def run_kl(path: str, token_counts, timeout: float) -> int:
+    """``kl OUT.json``: the check, then the Triton and Gluon timings, each in its own process
+    with a time limit (a Gluon crash or hang loses only its row); JSON at ``path``."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from provenance import git_commit
+
+    result = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+              "triton": triton.__version__, "commit": git_commit(), "tokens": list(token_counts),
+              "paper": {"Hq": HEADS, "Hkv": INDEX_HEADS, "Hi": INDEX_HEADS, "Hik": 1,
+                        "D": HEAD_DIM, "Di": INDEX_DIM, "dtype": "bf16"}, "rows": {}}
+    for child in ("check", "time_triton", "time_gluon"):
+        with tempfile.NamedTemporaryFile(suffix=".json") as part:
+            command = [sys.executable, os.path.abspath(__file__), "--kl-child", child, part.name,
+                       "--tokens", *map(str, token_counts)]
+            try:
+                done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+                print(done.stdout, end="", flush=True)
+                status = done.returncode
+                tail = done.stderr[-4000:]
+            except subprocess.TimeoutExpired as expired:
+                out = expired.stdout.decode() if isinstance(expired.stdout, bytes) else \
+                    (expired.stdout or "")
+                print(out, end="", flush=True)
+                status, tail = "timeout", f"timed out after {timeout} s"
+            with open(part.name) as f:
+                text = f.read()
+            entry = {"result": json.loads(text) if text else {}}
+            if status:
+                entry["error"] = f"exit status {status}"
+                entry["stderr"] = tail
+                print(f"{child}: FAILED ({status}): {tail[-1500:]}", flush=True)
+        result["rows"][child] = entry
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+def run_kl_child(child: str, path: str, token_counts) -> int:
+    """``--kl-child NAME PATH``: one row of :func:`run_kl` (an exception is re-raised after
+    what was written so far stays in ``path``)."""
+    if child == "check":
+        run_kl_check(path)
+    else:
+        run_kl_time(child.split("_", 1)[1], path, token_counts)
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["compile"]:
         return run_compile(argv[1:])
+    if argv[:1] in (["kl"], ["--kl-child"]):
+        parser = argparse.ArgumentParser(description="dense KL: Gluon vs Triton (GPU)")
+        if argv[0] == "--kl-child":
+            parser.add_argument("child", choices=("check", "time_triton", "time_gluon"))
+        parser.add_argument("out", help="JSON file to write")
+        parser.add_argument("--tokens", type=int, nargs="+", default=list(KL_TOKENS))
+        parser.add_argument("--timeout", type=float, default=150.0,
+                            help="seconds per child (check; each implementation's timing)")
+        args = parser.parse_args(argv[1:])
+        if not torch.cuda.is_available():
+            print("no CUDA device: the kl run needs the GPU")
+            return 2
+        if argv[0] == "--kl-child":
+            return run_kl_child(args.child, args.out, args.tokens)
+        return run_kl(args.out, args.tokens, args.timeout)
     child = argv[:1] == ["--child"]
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     if child:

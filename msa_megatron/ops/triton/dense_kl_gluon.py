@@ -200,12 +200,14 @@ def pass_a_gluon(a: _Launch) -> None:
         return TensorDescriptor(view, list(view.shape), list(view.stride()), block, layout)
 
     D, Di = a.q.shape[2], a.q_idx.shape[2]
+    G = a.Hq // a.Hi
     kern.dense_kl_pass_a[(len(a.n_lo), a.Hi)](
         desc(a.q, [a.bm, D]), desc(a.k, [a.bn, D]), desc(a.q_idx, [a.bm, Di]),
-        desc(a.k_idx, [a.bn, Di]), a.lse2, a.lse_z, a.q_pos, a.q_kbase, a.n_lo, a.n_hi,
-        a.dz_buf, a.dq, a.kl_part, a.Tq, a.Tq_pad, a.C, a.ch_lo, a.ch_hi, a.scale2, a.iscale,
-        HI=a.Hi, G=a.Hq // a.Hi, IPG=a.Hi // a.Hkv, HPK=a.Hi // a.Hik, BM=a.bm, BN=a.bn, D=D,
-        DI=Di, QS=kern.Q_STAGES, KS=kern.KV_STAGES, GRAD=a.grad, DZS=_DZ_SCALE,
+        desc(a.k_idx, [a.bn, Di]), desc(a.dz_buf.view(-1, a.dz_buf.shape[-1]), [a.bm, a.bn]),
+        a.lse2, a.lse_z, a.q_pos, a.q_kbase, a.n_lo, a.n_hi, a.dq, a.kl_part, a.Tq, a.Tq_pad,
+        a.ch_lo, a.ch_hi, a.scale2, a.iscale, HI=a.Hi, G=G, IPG=a.Hi // a.Hkv,
+        HPK=a.Hi // a.Hik, BM=a.bm, BN=a.bn, D=D, DI=Di, QS=kern.Q_STAGES, KS=kern.KV_STAGES,
+        KI_AT=min(2, G - 1), GRAD=a.grad, DZS=_DZ_SCALE,
         PRODUCER_REGS=kern.PRODUCER_REGS, num_warps=kern.WARPS,
     )
 
@@ -244,7 +246,7 @@ def dense_kl_chunked(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: flo
         if dz_fill is not None:
             dz_buf.fill_(dz_fill)
     else:
-        dz_buf = torch.empty((1,), dtype=q.dtype, device=dev)
+        dz_buf = torch.empty((1, bm, bn), dtype=q.dtype, device=dev)  # unused (descriptor)
     # the head mean folded into the exponent: lse log2e + log2 G, [Hq, Tq]
     lse2 = (lse * _LOG2E + math.log2(Hq // Hi)).t().contiguous()
     upcast, ieee = dot_flags(q.dtype)

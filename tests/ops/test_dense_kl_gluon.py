@@ -1,0 +1,179 @@
+"""Dense KL with a Gluon pass A (msa_megatron/ops/triton/dense_kl_gluon.py), on the CPU.
+
+The key-chunk orchestration with pass A in torch (:func:`pass_a_torch`, the stand-in of the
+Gluon kernel) and the Triton pass B under the interpreter, against the float64 oracle; pass B
+alone against torch; the tile ranges (pass B reads only tiles pass A wrote); the supported()
+reasons; and the sm_90 compile of the Gluon kernel when Triton 3.6 is at /tmp/t36site.
+"""
+
+import os
+import subprocess
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from msa_megatron import reference as ref  # noqa: E402
+from msa_megatron.layout import query_layout  # noqa: E402
+from msa_megatron.ops.triton import dense_kl_gluon as dkg  # noqa: E402
+from tests.support.inputs import rel_err  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+T36 = "/tmp/t36site"
+
+
+def _lse(q, k, q_pos, q_kbase, scale):
+    """``[Tq, Hq]`` float64 main LSE over each row's support."""
+    Tq, Hq, _ = q.shape
+    Tk, Hkv, _ = k.shape
+    kk = k.double().repeat_interleave(Hq // Hkv, dim=1)
+    s = torch.einsum("thd,uhd->thu", q.double(), kk) * scale
+    u = torch.arange(Tk)
+    inside = (u[None] >= q_kbase.long()[:, None]) & (u[None] <= (q_kbase + q_pos).long()[:, None])
+    return torch.logsumexp(s.masked_fill(~inside[:, None], -float("inf")), dim=2)
+
+
+def _case(lens, heads, dims=(16, 16), dtype=torch.float32, seed=0):
+    hq, hkv, hi, hik = heads
+    d, di = dims
+    gen = torch.Generator().manual_seed(seed)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    t = int(cu[-1])
+    q_pos, q_kbase = query_layout(cu, t, "cpu")
+    x = [torch.randn(*s, generator=gen, dtype=torch.float64).to(dtype)
+         for s in ((t, hq, d), (t, hkv, d), (t, hi, di), (t, hik, di))]
+    return (*x, q_pos.contiguous(), q_kbase.contiguous())
+
+
+def _oracle(q, k, q_idx, k_idx, q_pos, q_kbase, kl_scale):
+    leaves = [x.double().requires_grad_() for x in (q_idx, k_idx)]
+    want = ref.kl_core_reference(q.double(), k.double(), *leaves, None, q_pos, q_kbase,
+                                 block_size=16, softmax_scale=q.shape[2] ** -0.5,
+                                 index_scale=q_idx.shape[2] ** -0.5, kl_scale=kl_scale)
+    return (want, *torch.autograd.grad(want, leaves))
+
+
+def _chunked(q, k, q_idx, k_idx, q_pos, q_kbase, kl_scale, **kw):
+    lse = _lse(q, k, q_pos, q_kbase, q.shape[2] ** -0.5).float()
+    return dkg.dense_kl_chunked(q, k, lse, q_idx, k_idx, q_pos, q_kbase, q.shape[2] ** -0.5,
+                                q_idx.shape[2] ** -0.5, kl_scale, True,
+                                pass_a=dkg.pass_a_torch, **kw)
+
+
+CASES = {
+    "T1": ([1], (16, 1, 1, 1)),
+    "T5-hpi16": ([5], (16, 1, 1, 1)),
+    "T130-hpi1": ([130], (2, 2, 2, 1)),
+    "T300-paperlike": ([300], (16, 4, 4, 1)),
+    "packed": ([61, 7, 90], (8, 2, 2, 1)),
+}
+
+
+@pytest.mark.parametrize("budget", [None, "small"], ids=["one-chunk", "chunks"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_orchestration_matches_the_oracle(name, budget):
+    lens, heads = CASES[name]
+    x = _case(lens, heads)
+    bm, bn = 16, 32
+    kw = dict(bm=bm, bn=bn)
+    if budget:  # one key tile per chunk
+        kw["budget"] = heads[2] * dkg.triton.cdiv(sum(lens), bm) * bm * 4 * bn
+    got = _chunked(*x, kl_scale=0.3, **kw)
+    want = _oracle(*x, kl_scale=0.3)
+    assert abs(got[0].item() - want[0].item()) <= 1e-4 * abs(want[0].item()) + 1e-6
+    for label, a, b in zip(("dq_idx", "dk_idx"), got[1:], want[1:]):
+        assert a.shape == b.shape, label
+        assert rel_err(a, b) < 1e-4, label
+
+
+def test_fp16_and_the_default_tiles():
+    x = _case([70, 150], (4, 1, 2, 1), dtype=torch.float16, seed=3)
+    got = _chunked(*x, kl_scale=1.0)
+    want = _oracle(*x, kl_scale=1.0)
+    assert abs(got[0].item() - want[0].item()) <= 1e-2 * abs(want[0].item())
+    for label, a, b in zip(("dq_idx", "dk_idx"), got[1:], want[1:]):
+        assert rel_err(a, b) < 1e-2, label
+
+
+def test_several_chunks_equal_one_chunk_and_unwritten_tiles_stay_unread():
+    """NaN in every buffer tile pass A does not write: pass B must never read one."""
+    x = _case([61, 7, 90], (8, 2, 2, 1), seed=5)
+    one = _chunked(*x, kl_scale=1.0, bm=16, bn=32, dz_fill=float("nan"))
+    many = _chunked(*x, kl_scale=1.0, bm=16, bn=32, dz_fill=float("nan"),
+                    budget=2 * 10 * 16 * 4 * 32)
+    for a, b in zip(one, many):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("lens", [[300], [61, 7, 90], [1, 1, 1, 40]])
+def test_tile_ranges_cover_the_support_and_agree(lens):
+    q_pos, q_kbase = query_layout(torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()],
+                                               dtype=torch.int32), sum(lens), "cpu")
+    bm, bn = 16, 32
+    n_lo, n_hi, m_lo, m_hi = (x.tolist() for x in
+                              dkg.key_tile_ranges(q_pos, q_kbase, sum(lens), bm, bn))
+    pairs_a = {(m, n) for m in range(len(n_lo)) for n in range(n_lo[m], n_hi[m])}
+    pairs_b = {(m, n) for n in range(len(m_lo)) for m in range(m_lo[n], m_hi[n])
+               if n_lo[m] <= n < n_hi[m]}
+    assert pairs_a == pairs_b  # pass B reads exactly the tiles pass A writes
+    for t in range(sum(lens)):  # every (row, key) of the support lies in a walked tile pair
+        for u in range(int(q_kbase[t]), int(q_kbase[t] + q_pos[t]) + 1):
+            assert (t // bm, u // bn) in pairs_a
+    for arr in (n_lo, n_hi):
+        assert arr == sorted(arr)
+
+
+def test_pass_b_matches_torch():
+    torch.manual_seed(0)
+    x = _case([61, 7, 90], (4, 1, 2, 1))
+    q_idx, q_pos, q_kbase = x[2], x[4], x[5]
+    tq, hi, di = q_idx.shape
+    bm, bn, cols, ch_lo = 16, 32, 64, 1
+    n_lo, n_hi, m_lo, m_hi = dkg.key_tile_ranges(q_pos, q_kbase, tq, bm, bn)
+    tq_pad = dkg.triton.cdiv(tq, bm) * bm
+    dz = torch.randn(hi, tq_pad, cols)
+    dk = torch.full((hi, tq, di), float("nan"))
+    upcast, ieee = dkg.dot_flags(q_idx.dtype)
+    dkg._dk_pass_kernel[(2, hi)](dz, q_idx, n_lo, n_hi, m_lo, m_hi, dk, tq, tq, tq_pad, cols,
+                                 ch_lo, q_idx.stride(0), q_idx.stride(1), DI=di, BM=bm, BN=bn,
+                                 UPCAST=upcast, IEEE=ieee)
+    for nn in range(2):
+        n = ch_lo + nn
+        want = torch.zeros(hi, bn, di)
+        for m in range(len(n_lo)):
+            if n_lo[m] <= n < n_hi[m]:
+                t = torch.arange(m * bm, min(m * bm + bm, tq))
+                want += torch.einsum("itu,tid->iud", dz[:, t, nn * bn:(nn + 1) * bn], q_idx[t])
+        keys = torch.arange(n * bn, min(n * bn + bn, tq))
+        torch.testing.assert_close(dk[:, keys], want[:, :keys.numel()], rtol=1e-5, atol=1e-5)
+
+
+def test_supported_reasons_and_the_error_on_cpu():
+    x = _case([8], (4, 1, 1, 1), dtype=torch.bfloat16)
+    ok, why = dkg.gluon_kl_supported(x[0], x[1], x[2], x[3])
+    assert not ok and "CUDA" in why
+    lse = torch.zeros(8, 4)
+    with pytest.raises(ValueError, match="unsupported inputs: needs a CUDA device"):
+        dkg.dense_kl_loss_gluon(x[0], x[1], lse, x[2], x[3], x[4], x[5], 0.25, 0.25, 1.0, True)
+
+
+def test_chunk_columns():
+    assert dkg.chunk_columns(4, 1000, 5000, 2, 4 * 1000 * 2 * 300, 128) == 256
+    assert dkg.chunk_columns(4, 1000, 5000, 2, 1, 128) == 128  # at least one tile
+    assert dkg.chunk_columns(4, 1000, 300, 2, 1 << 40, 128) == 384  # at most the keys
+
+
+@pytest.mark.skipif(not os.path.isdir(T36), reason=f"Triton 3.6 not at {T36} (sm_90 compile)")
+def test_gluon_pass_a_compiles_for_sm90():
+    env = dict(os.environ, PYTHONPATH=f"{T36}:{ROOT}")
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gluon_probe.py"),
+                           "compile", "kl"], capture_output=True, text=True, env=env,
+                          timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "wgmma serialised no" in done.stdout, done.stdout

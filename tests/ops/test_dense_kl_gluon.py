@@ -177,3 +177,33 @@ def test_gluon_pass_a_compiles_for_sm90():
                           timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "wgmma serialised no" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("value,want", [(None, "onepass"), ("auto", "onepass"),
+                                        ("onepass", "onepass"), ("twopass", "twopass")])
+def test_dispatch_on_cpu(value, want, monkeypatch):
+    from msa_megatron.ops import triton as backend
+
+    x = _case([8], (4, 1, 1, 1))
+    if value is None:
+        monkeypatch.delenv(backend.DENSE_KL_ENV, raising=False)
+    else:
+        monkeypatch.setenv(backend.DENSE_KL_ENV, value)
+    assert backend.DENSE_KL_DEFAULT in backend.DENSE_KL_CHOICES
+    assert backend.dense_kl_choice(x[0], x[1], x[2], x[3]) == want
+
+
+def test_dispatch_errors(monkeypatch):
+    from msa_megatron.ops import triton as backend
+
+    x = _case([8], (4, 1, 1, 1))
+    monkeypatch.setenv(backend.DENSE_KL_ENV, "gluon")
+    with pytest.raises(ValueError, match="MSA_DENSE_KL=gluon: .*needs a CUDA device"):
+        backend.dense_kl_choice(x[0], x[1], x[2], x[3])
+    lse = torch.zeros(8, 4)
+    with pytest.raises(ValueError, match="MSA_DENSE_KL=gluon"):
+        backend._kl(x[0], x[1], lse, x[2], x[3], None, x[4], x[5], 16, 0.25, 0.25, 1.0, True)
+    monkeypatch.setenv(backend.DENSE_KL_ENV, "fast")
+    with pytest.raises(ValueError, match="MSA_DENSE_KL must be one of auto, gluon, onepass, "
+                                         "twopass, got 'fast'"):
+        backend.dense_kl_choice(x[0], x[1], x[2], x[3])

@@ -11,7 +11,9 @@ Kernels: :mod:`.selection` (fused selection), :mod:`.forward` (sparse / dense fo
 (KL value and index-branch gradients), :mod:`.reverse_index` (block -> selecting queries).
 Dense mode takes the main output and LSE (and dQ, dK, dV) from cuDNN or FlashAttention where
 :mod:`msa_megatron.ops.dense` finds one that applies, and runs these kernels otherwise; its KL
-is one key-tile-outer pass over Q K^T (:mod:`.dense_kl`).
+is one key-tile-outer pass over Q K^T (:mod:`.dense_kl`), or on sm_90 a warp-specialised Gluon
+query-tile pass plus a Triton key-tile pass (:mod:`.dense_kl_gluon`), chosen by
+``MSA_DENSE_KL`` (:func:`dense_kl_choice`).
 """
 
 from __future__ import annotations
@@ -21,9 +23,36 @@ import os
 from ..custom_ops import BackendKernels, register_backend_ops
 from ..dense import dense_backward, dense_forward
 
-# Dense-mode KL: "onepass" (default, :mod:`.dense_kl`) or "twopass" (the query-outer rows kernel
-# plus the key-outer index-key kernel of :mod:`.kl_loss`).
+# Dense-mode KL (MSA_DENSE_KL): "auto" (Gluon where gluon_kl_supported says so, else onepass),
+# "gluon" (:mod:`.dense_kl_gluon`, or an error saying why not), "onepass" (:mod:`.dense_kl`) or
+# "twopass" (the query-outer rows kernel plus the key-outer index-key kernel of :mod:`.kl_loss`).
 DENSE_KL_ENV = "MSA_DENSE_KL"
+DENSE_KL_CHOICES = ("auto", "gluon", "onepass", "twopass")
+# the choice when MSA_DENSE_KL is unset: "onepass" until the Gluon kernel's GPU check
+# (benchmarks/gluon_probe.py kl) has passed on an H200, then "auto"
+DENSE_KL_DEFAULT = "onepass"
+
+
+def dense_kl_choice(q, k, q_idx, k_idx) -> str:
+    """The dense-mode KL implementation for these inputs: ``"gluon"``, ``"onepass"`` or
+    ``"twopass"``, from ``MSA_DENSE_KL`` (:data:`DENSE_KL_CHOICES`; unset:
+    :data:`DENSE_KL_DEFAULT`). ``auto`` takes Gluon where
+    :func:`.dense_kl_gluon.gluon_kl_supported` says so, else ``onepass``; ``gluon`` raises
+    ValueError naming the reason when it does not apply; an unknown value raises ValueError."""
+    raw = os.environ.get(DENSE_KL_ENV, "") or DENSE_KL_DEFAULT
+    if raw not in DENSE_KL_CHOICES:
+        raise ValueError(f"{DENSE_KL_ENV} must be one of {', '.join(DENSE_KL_CHOICES)}, "
+                         f"got {raw!r}")
+    if raw in ("onepass", "twopass"):
+        return raw
+    from .dense_kl_gluon import gluon_kl_supported
+
+    ok, why = gluon_kl_supported(q, k, q_idx, k_idx)
+    if ok:
+        return "gluon"
+    if raw == "gluon":
+        raise ValueError(f"{DENSE_KL_ENV}=gluon: the Gluon dense KL does not apply: {why}")
+    return "onepass"
 
 
 def _select(q_idx, k_idx, q_pos, q_kbase, block_size, top_k, init_blocks, local_blocks,
@@ -59,7 +88,13 @@ def _attention_bwd(dout, q, k, v, out, lse, block_idx, q_pos, q_kbase, block_siz
 
 def _kl(q, k, lse, q_idx, k_idx, block_idx, q_pos, q_kbase, block_size, softmax_scale,
         index_scale, kl_scale, compute_grad):
-    if block_idx is None and os.environ.get(DENSE_KL_ENV, "onepass") != "twopass":
+    choice = dense_kl_choice(q, k, q_idx, k_idx) if block_idx is None else None
+    if choice == "gluon":
+        from .dense_kl_gluon import dense_kl_loss_gluon
+
+        return dense_kl_loss_gluon(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale,
+                                   index_scale, kl_scale, compute_grad)
+    if choice == "onepass":
         from .dense_kl import dense_kl_loss
 
         return dense_kl_loss(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale,

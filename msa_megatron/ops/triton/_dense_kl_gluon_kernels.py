@@ -73,9 +73,10 @@ def _producer(q_desc, k_desc, qi_desc, ki_desc, q_smem, k_smem, ki_smem, qi_smem
 @gluon.jit
 def _consumer(dz_desc, lse2_ptr, lsez_ptr, qpos_ptr, qkb_ptr, dq_ptr, klpart_ptr, q_smem,
               k_smem, ki_smem, qi_smem, dz_smem, q_ready, q_empty, kv_ready, kv_empty, ki_ready,
-              ki_empty, qi_ready, m, i, lo, hi, ch_lo, Tq, Tq_pad, HI, scale2, iscale, G: gl.constexpr, BM: gl.constexpr,
-              BN: gl.constexpr, DI: gl.constexpr, QS: gl.constexpr, KS: gl.constexpr,
-              GRAD: gl.constexpr, DZS: gl.constexpr, WARPS: gl.constexpr):
+              ki_empty, qi_ready, m, i, lo, hi, ch_lo, Tq, Tq_pad, HI, scale2, iscale,
+              G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, DI: gl.constexpr,
+              QS: gl.constexpr, KS: gl.constexpr, GRAD: gl.constexpr, DZS: gl.constexpr,
+              WARPS: gl.constexpr):
     """Consumer partition (the default one, one warpgroup): teacher, student, KL, dz, dq."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                        instr_shape=[16, BN, 16])
@@ -169,7 +170,7 @@ def _consumer(dz_desc, lse2_ptr, lsez_ptr, qpos_ptr, qkb_ptr, dq_ptr, klpart_ptr
             gl.store(ptrs, gl.load(ptrs, mask=keep, other=0.0) + acc, mask=keep)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=("Tq", "Tq_pad", "ch_lo", "ch_hi"))  # one compile per shape class
 def dense_kl_pass_a(q_desc, k_desc, qi_desc, ki_desc, dz_desc, lse2_ptr, lsez_ptr, qpos_ptr,
                     qkb_ptr, nlo_ptr, nhi_ptr, dq_ptr, klpart_ptr, Tq, Tq_pad, ch_lo, ch_hi,
                     scale2, iscale, HI: gl.constexpr, G: gl.constexpr, IPG: gl.constexpr,

@@ -41,6 +41,8 @@ DZ_BUDGET_BYTES = 2 << 30
 BLOCK_M, BLOCK_N = 64, 128
 _HEAD_DIMS = (64, 128)
 _MAX_HPI = 16
+# pass B programs aimed at per chunk (its query tiles split into segments to reach it)
+_PASS_B_PROGRAMS = 528
 
 
 def gluon_kl_supported(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor,
@@ -107,21 +109,26 @@ def chunk_columns(Hi: int, Tq: int, Tk: int, itemsize: int, budget: int, bn: int
     return min(max(cols, bn), triton.cdiv(Tk, bn) * bn)
 
 
-@triton.jit(do_not_specialize=("Tq", "Tk", "Tq_pad", "C", "ch_lo"))
-def _dk_pass_kernel(dz_ptr, qi_ptr, nlo_ptr, nhi_ptr, mlo_ptr, mhi_ptr, dkpart_ptr, Tq, Tk,
-                    Tq_pad, C, ch_lo, s_it, s_ih, DI: tl.constexpr, BM: tl.constexpr,
+@triton.jit(do_not_specialize=("Tq", "Tq_pad", "C", "ch_lo"))
+def _dk_pass_kernel(dz_ptr, qi_ptr, nlo_ptr, nhi_ptr, mlo_ptr, mhi_ptr, dkpart_ptr, Tq, Tq_pad,
+                    C, ch_lo, s_it, s_ih, HI: tl.constexpr, DI: tl.constexpr, BM: tl.constexpr,
                     BN: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """Pass B: program (key tile ``ch_lo + program_id(0)``, index head ``i``):
-    ``dk_part[i, u] = sum_t dz_buf[i, t, u - c0] q_idx[t, i]`` over the query tiles that pass A
-    gave this key tile (fp32, in query-tile order)."""
+    """Pass B: program (key tile ``ch_lo + program_id(0)``, index head ``i``, segment ``sg`` of
+    ``num_programs(2)``): ``part[sg, i, u - c0] = sum_t dz_buf[i, t, u - c0] q_idx[t, i]`` over
+    the ``sg``-th equal share of the query tiles that pass A gave this key tile (fp32, in
+    query-tile order; the segments are summed in order by the host)."""
     nn = tl.program_id(0)
     i = tl.program_id(1)
+    sg = tl.program_id(2)
     n = ch_lo + nn
     di = tl.arange(0, DI)
     cols = nn * BN + tl.arange(0, BN)
-    krow = n * BN + tl.arange(0, BN)
     acc = tl.zeros([BN, DI], tl.float32)
-    for m in range(tl.load(mlo_ptr + n), tl.load(mhi_ptr + n)):
+    m_lo = tl.load(mlo_ptr + n)
+    m_hi = tl.load(mhi_ptr + n)
+    share = tl.cdiv(m_hi - m_lo, tl.num_programs(2))
+    m_end = tl.minimum(m_lo + (sg + 1) * share, m_hi)
+    for m in range(m_lo + sg * share, m_end):
         if (tl.load(nlo_ptr + m) <= n) & (n < tl.load(nhi_ptr + m)):
             t = m * BM + tl.arange(0, BM)
             valid = t < Tq
@@ -131,8 +138,8 @@ def _dk_pass_kernel(dz_ptr, qi_ptr, nlo_ptr, nhi_ptr, mlo_ptr, mhi_ptr, dkpart_p
             qi = tl.load(qi_ptr + t.to(tl.int64)[:, None] * s_it + i * s_ih + di[None, :],
                          mask=valid[:, None], other=0.0)
             acc += mma(tl.trans(dz), qi, UPCAST, IEEE)
-    tl.store(dkpart_ptr + (i * Tk + krow.to(tl.int64)[:, None]) * DI + di[None, :], acc,
-             mask=krow[:, None] < Tk)
+    part = (sg * HI + i).to(tl.int64) * C
+    tl.store(dkpart_ptr + (part + cols[:, None]) * DI + di[None, :], acc)
 
 
 class _Launch:
@@ -239,7 +246,7 @@ def dense_kl_chunked(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: flo
     chunks = range(0, n_k * bn, cols)
     kl_part = torch.zeros((len(chunks), n_m * Hi), dtype=torch.float32, device=dev)
     dq = torch.zeros((Tq, Hi, Di) if compute_grad else (1,), dtype=torch.float32, device=dev)
-    dk_part = torch.empty((Hi, Tk, Di) if compute_grad else (1,), dtype=torch.float32,
+    dk_part = torch.empty((Hi, n_k * bn, Di) if compute_grad else (1,), dtype=torch.float32,
                           device=dev)
     if compute_grad:
         dz_buf = torch.empty((Hi, Tq_pad, cols), dtype=q.dtype, device=dev)
@@ -259,17 +266,22 @@ def dense_kl_chunked(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: flo
                        scale2=float(softmax_scale) * _LOG2E, iscale=float(index_scale),
                        grad=compute_grad))
         if compute_grad:
-            _dk_pass_kernel[(ch_hi - ch_lo, Hi)](
-                dz_buf, q_idx, n_lo, n_hi, m_lo, m_hi, dk_part, Tq, Tk, Tq_pad, cols, ch_lo,
-                q_idx.stride(0), q_idx.stride(1), DI=Di, BM=bm, BN=bn, UPCAST=upcast,
+            # segments of the query tiles: enough programs to fill the GPU (fixed by the shapes)
+            segs = max(1, min(n_m, triton.cdiv(_PASS_B_PROGRAMS, (ch_hi - ch_lo) * Hi)))
+            part = torch.empty((segs, Hi, cols, Di), dtype=torch.float32, device=dev)
+            _dk_pass_kernel[(ch_hi - ch_lo, Hi, segs)](
+                dz_buf, q_idx, n_lo, n_hi, m_lo, m_hi, part, Tq, Tq_pad, cols, ch_lo,
+                q_idx.stride(0), q_idx.stride(1), HI=Hi, DI=Di, BM=bm, BN=bn, UPCAST=upcast,
                 IEEE=ieee, num_warps=8 if bm * bn >= 64 * 128 else 4,
             )
+            width = (ch_hi - ch_lo) * bn
+            dk_part[:, ch_lo * bn:ch_lo * bn + width] = part[:, :, :width].sum(0)
     value = kl_part.sum() * kl_scale
     if not compute_grad:
         return value, q_idx.new_empty((0,)), k_idx.new_empty((0,))
     out_scale = float(index_scale) * float(kl_scale) / _DZ_SCALE
     # index heads reading one index key head, summed in a fixed order
-    dk_idx = dk_part.view(Hik, Hi // Hik, Tk, Di).sum(1).transpose(0, 1) * out_scale
+    dk_idx = dk_part[:, :Tk].reshape(Hik, Hi // Hik, Tk, Di).sum(1).transpose(0, 1) * out_scale
     return value, dq * out_scale, dk_idx.contiguous()
 
 

@@ -937,8 +937,8 @@ def main(argv=None) -> int:
             parser.add_argument("child", choices=("check", "time_triton", "time_gluon"))
         parser.add_argument("out", help="JSON file to write")
         parser.add_argument("--tokens", type=int, nargs="+", default=list(KL_TOKENS))
-        parser.add_argument("--timeout", type=float, default=150.0,
-                            help="seconds per child (check; each implementation's timing)")
+        parser.add_argument("--timeout", type=float, default=180.0,
+                            help="seconds per child (the check; each implementation's timing)")
         args = parser.parse_args(argv[1:])
         if not torch.cuda.is_available():
             print("no CUDA device: the kl run needs the GPU")

@@ -1,6 +1,7 @@
 """Pass A of the Gluon dense KL (:mod:`.dense_kl_gluon`): the warp-specialised sm_90 kernel.
 
-Imported only when Gluon's Hopper modules are importable (:func:`.dense_kl_gluon.gluon_kl_supported`).
+Imported only when Gluon's Hopper modules are importable
+(:func:`.dense_kl_gluon.gluon_kl_supported`).
 Program = (query tile ``m`` of ``BM = 64`` rows, index head ``i``) over the key tiles
 ``[lo, hi)`` of its range met with the current key chunk. Built on the probe kernel
 ``gluon_bn128`` of ``benchmarks/gluon_probe.py`` (its traps apply: heads unrolled by

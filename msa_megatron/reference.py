@@ -248,19 +248,35 @@ def kl_core_reference(
         # Qs * sum(T) - T, the same number when T sums to 1, but NaN on the whole row as soon as
         # one teacher entry is NaN, where the kernels give NaN on that entry only.)
         dz = torch.where(supp, torch.exp(log_qs) - teacher, torch.zeros_like(teacher))
-    return _WithGradient.apply(kl.sum() * kl_scale, z, dz * kl_scale)
+    value, _ = _WithGradient.apply(kl.sum() * kl_scale, z, dz * kl_scale)
+    return value
 
 
 class _WithGradient(torch.autograd.Function):
-    """``value`` (a 0-dim tensor) whose gradient with respect to ``x`` is ``grad_x``."""
+    """``value`` (a 0-dim tensor) whose gradient with respect to ``x`` is ``grad_x``.
+
+    ``grad_x`` is computed outside autograd, so its own derivative is unknown here: it is also
+    returned as a differentiable output, so that under ``create_graph=True`` the gradient leads
+    back to this node, where differentiating it raises (a second-order gradient would otherwise
+    pass as a constant and silently lose the ``d grad_x / d x`` term).
+    """
 
     @staticmethod
     def forward(ctx, value, x, grad_x):  # noqa: D102
+        grad_x = grad_x.clone()
         ctx.save_for_backward(grad_x)
-        return value.clone()
+        ctx.set_materialize_grads(False)
+        return value.clone(), grad_x
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: D102
+    def backward(ctx, grad, grad_of_grad_x):  # noqa: D102
+        if grad_of_grad_x is not None:
+            raise NotImplementedError(
+                "double backward (second-order gradients) of MSA is not supported: the "
+                "reference KL (msa_megatron.reference.kl_core_reference) has first-order "
+                "gradients only")
+        if grad is None:
+            return None, None, None
         (grad_x,) = ctx.saved_tensors
         return None, grad * grad_x, None
 

@@ -33,6 +33,11 @@ Kernel contracts (all scales are already resolved floats; ``block_idx=None`` is 
   accumulation dtype (float32; float64 for float64 inputs: they are tiny, ~1/(N*Hi), and would
   underflow in fp16) when ``compute_grad`` is true, and empty ``[0]`` tensors otherwise.
   The backward only multiplies them by the incoming gradient. q, k and lse get no gradient.
+
+Second-order gradients (double backward, e.g. ``torch.autograd.grad(..., create_graph=True)``
+then a backward through the result) are not supported: differentiating either op's gradient
+raises :class:`NotImplementedError` naming the op (:func:`double_backward_error`), instead of
+torch's generic "no autograd formula" error or, for the KL, a silently constant gradient.
 """
 
 from __future__ import annotations
@@ -79,6 +84,29 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype of the kernels and dtype of the LSE: float64 for float64 inputs,
     float32 otherwise."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def double_backward_error(op: str) -> NotImplementedError:
+    """The error raised when the gradient of ``op`` (a custom op name) is differentiated."""
+    return NotImplementedError(
+        f"double backward (second-order gradients) of MSA is not supported: {op} has "
+        "first-order gradients only (create_graph=True is fine; differentiating its gradient "
+        "is not)")
+
+
+class _FirstOrderGradient(torch.autograd.Function):
+    """``(grad * scale).to(dtype)``, a gradient computed outside autograd, tied to ``anchor`` (a
+    differentiable output of ``op``) so that differentiating it raises :func:`double_backward_error`
+    instead of passing it as a constant (which would silently drop its second-order term)."""
+
+    @staticmethod
+    def forward(ctx, grad, scale, dtype, anchor, op):  # noqa: D102
+        ctx.op = op
+        return (grad * scale).to(dtype)
+
+    @staticmethod
+    def backward(ctx, *grads):  # noqa: D102
+        raise double_backward_error(ctx.op)
 
 
 def _grad_or_empty(t: torch.Tensor, compute_grad: bool) -> torch.Tensor:
@@ -196,17 +224,28 @@ def register_backend_ops(prefix: str, kernels: BackendKernels) -> SimpleNamespac
 
     attention_fwd_op.register_autograd(attention_backward, setup_context=attention_setup)
 
+    def attention_double_backward(ctx, ddq, ddk, ddv):
+        raise double_backward_error(op_name("attention_fwd"))
+
+    # Reached only through a gradient taken with create_graph=True.
+    attention_bwd_op.register_autograd(attention_double_backward)
+
     def kl_setup(ctx, inputs, output):
-        _, dq_idx, dk_idx = output
-        ctx.save_for_backward(dq_idx, dk_idx)
+        value, dq_idx, dk_idx = output
+        ctx.save_for_backward(dq_idx, dk_idx, value)
         ctx.mark_non_differentiable(dq_idx, dk_idx)
         ctx.dtypes = (inputs[3].dtype, inputs[4].dtype)
 
     def kl_backward(ctx, dkl, ddq_idx, ddk_idx):
         # The saved gradients are kept in the accumulation dtype: with kl_scale = 1/(N*Hi) they
         # sit near 1e-7, below fp16's normal range, so they are scaled first and cast last.
-        dq_idx, dk_idx = ctx.saved_tensors
+        dq_idx, dk_idx, value = ctx.saved_tensors
         q_dtype, k_dtype = ctx.dtypes
+        if torch.is_grad_enabled():  # create_graph=True: the gradients must refuse a backward
+            return (None, None, None,
+                    _FirstOrderGradient.apply(dq_idx, dkl, q_dtype, value, op_name("kl")),
+                    _FirstOrderGradient.apply(dk_idx, dkl, k_dtype, value, op_name("kl")),
+                    None, None, None, None, None, None, None, None)
         return (None, None, None, (dq_idx * dkl).to(q_dtype), (dk_idx * dkl).to(k_dtype),
                 None, None, None, None, None, None, None, None)
 

@@ -6,8 +6,9 @@ Source: MSA_SPEC.md sections 1-6. Defaults are the paper / production defaults.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 # The triton backend's limits (ops/validation.py adds its dtypes, which need torch).
 TRITON_HEAD_DIMS = (16, 32, 64, 128)
@@ -69,16 +70,9 @@ class MSAConfig:
     def __post_init__(self) -> None:
         for name in ("block_size", "top_k", "init_blocks", "local_blocks",
                      "index_key_heads", "index_head_dim"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"MSAConfig.{name} must be an int, got {type(value).__name__}")
-        if self.index_heads is not None and (
-            isinstance(self.index_heads, bool) or not isinstance(self.index_heads, int)
-        ):
-            raise TypeError(
-                "MSAConfig.index_heads must be an int or None, got "
-                f"{type(self.index_heads).__name__}"
-            )
+            self._normalise(name, check_int(f"MSAConfig.{name}", getattr(self, name)))
+        if self.index_heads is not None:
+            self._normalise("index_heads", check_int("MSAConfig.index_heads", self.index_heads))
         check_block_size(self.block_size)
         check_selection_budget(self.top_k, self.init_blocks, self.local_blocks)
         if self.index_key_heads < 1:
@@ -94,15 +88,9 @@ class MSAConfig:
         if self.index_head_dim < 1:
             raise ValueError(f"MSAConfig.index_head_dim must be >= 1, got {self.index_head_dim}")
         for name in ("softmax_scale", "index_scale"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not (
-                isinstance(value, (int, float)) and math.isfinite(value) and value > 0
-            )):
-                raise ValueError(
-                    f"MSAConfig.{name} must be a positive finite number or None, got {value!r}")
-        if isinstance(self.kl_coeff, bool) or not (
-                isinstance(self.kl_coeff, (int, float)) and math.isfinite(self.kl_coeff)
-                and self.kl_coeff >= 0):
+            self._normalise(name, check_scale(f"MSAConfig.{name}", getattr(self, name)))
+        self._normalise("kl_coeff", check_real("MSAConfig.kl_coeff", self.kl_coeff))
+        if not (math.isfinite(self.kl_coeff) and self.kl_coeff >= 0):
             raise ValueError(
                 f"MSAConfig.kl_coeff must be a finite number >= 0, got {self.kl_coeff!r}")
         check_mode(self.mode)
@@ -116,31 +104,76 @@ class MSAConfig:
                 raise ValueError(f"MSAConfig: backend='triton' supports index_head_dim in "
                                  f"{TRITON_HEAD_DIMS}, got {self.index_head_dim}; "
                                  "backend='torch' runs any head dim (slower)")
-        if self.cp_kv_exchange is not None and self.cp_kv_exchange not in CP_KV_EXCHANGES:
-            raise ValueError(
-                f"MSAConfig.cp_kv_exchange must be None or one of {CP_KV_EXCHANGES}, got "
-                f"{self.cp_kv_exchange!r}"
-            )
+        if self.cp_kv_exchange is not None:
+            check_choice("MSAConfig.cp_kv_exchange", self.cp_kv_exchange, CP_KV_EXCHANGES,
+                         none_ok=True)
+
+    def _normalise(self, name: str, value: object) -> None:
+        """Store a checked value in its plain Python type (e.g. a numpy integer as an int)."""
+        if type(value) is not type(getattr(self, name)):
+            object.__setattr__(self, name, value)
 
     def resolved_index_heads(self, num_query_groups: int) -> int:
         """Hi for a layer with ``num_query_groups`` KV groups (default: one per group)."""
         return num_query_groups if self.index_heads is None else self.index_heads
 
 
-def check_block_size(block_size: int) -> None:
-    """Raise ValueError unless ``block_size`` is a power of two >= 16 (MSA_SPEC section 1)."""
-    if isinstance(block_size, bool) or not isinstance(block_size, int):
-        raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
+def check_int(name: str, value: object) -> int:
+    """``value`` as an int; TypeError naming ``name`` unless it is an int (bool is refused)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    return int(value)
+
+
+def check_real(name: str, value: object) -> float:
+    """``value`` as a float; TypeError naming ``name`` unless it is a real number
+    (``numbers.Real``: int, float, numpy numbers; bool is refused). Values are not checked."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    return float(value)
+
+
+def check_scale(name: str, value: object) -> Optional[float]:
+    """None, or ``value`` as a float: TypeError unless a real number (not bool), ValueError
+    unless positive and finite."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float or None, got {type(value).__name__}")
+    value = float(value)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive finite number or None, got {value!r}")
+    return value
+
+
+def check_choice(name: str, value: object, choices: tuple, none_ok: bool = False) -> None:
+    """TypeError unless ``value`` is a str (or None with ``none_ok``), ValueError unless it is
+    one of ``choices``."""
+    if value is None and none_ok:
+        return
+    allowed = f"{'None or ' if none_ok else ''}one of {choices}"
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be {allowed}, got {type(value).__name__}")
+    if value not in choices:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def check_block_size(block_size: int) -> int:
+    """``block_size`` as an int; TypeError unless integral, ValueError unless a power of two
+    >= 16 (MSA_SPEC section 1)."""
+    block_size = check_int("block_size", block_size)
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
+    return block_size
 
 
-def check_selection_budget(top_k: int, init_blocks: int, local_blocks: int) -> None:
-    """Raise ValueError unless ``top_k >= init_blocks + local_blocks`` and local_blocks >= 1."""
-    for name, value in (("top_k", top_k), ("init_blocks", init_blocks),
-                        ("local_blocks", local_blocks)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+def check_selection_budget(top_k: int, init_blocks: int,
+                           local_blocks: int) -> Tuple[int, int, int]:
+    """``(top_k, init_blocks, local_blocks)`` as ints; TypeError unless integral, ValueError
+    unless ``top_k >= init_blocks + local_blocks``, init_blocks >= 0 and local_blocks >= 1."""
+    top_k = check_int("top_k", top_k)
+    init_blocks = check_int("init_blocks", init_blocks)
+    local_blocks = check_int("local_blocks", local_blocks)
     if init_blocks < 0:
         raise ValueError(f"init_blocks must be >= 0, got {init_blocks}")
     if local_blocks < 1:
@@ -153,15 +186,14 @@ def check_selection_budget(top_k: int, init_blocks: int, local_blocks: int) -> N
             f"top_k ({top_k}) must be >= init_blocks + local_blocks "
             f"({init_blocks} + {local_blocks})"
         )
+    return top_k, init_blocks, local_blocks
 
 
 def check_mode(mode: str) -> None:
-    """Raise ValueError unless ``mode`` is ``"sparse"`` or ``"dense"``."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    """TypeError unless ``mode`` is a str, ValueError unless ``"sparse"`` or ``"dense"``."""
+    check_choice("mode", mode, MODES)
 
 
 def check_backend(backend: Optional[str]) -> None:
-    """Raise ValueError unless ``backend`` is None or a known backend name."""
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"backend must be None or one of {BACKENDS}, got {backend!r}")
+    """TypeError unless ``backend`` is None or a str, ValueError unless a known name."""
+    check_choice("backend", backend, BACKENDS, none_ok=True)

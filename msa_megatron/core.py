@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .config import CP_KV_EXCHANGES, DEFAULT_CP_KV_EXCHANGE, MSAConfig
+from .config import CP_KV_EXCHANGES, DEFAULT_CP_KV_EXCHANGE, MSAConfig, check_choice, check_scale
 from .layout import query_layout, real_token_rows
 from .ops.backends import get_backend, resolve_backend
 from .ops.validation import (
@@ -47,7 +47,6 @@ from .ops.validation import (
     check_index_inputs,
     check_main_inputs,
     check_options,
-    check_scale,
 )
 from .parallel.comm import all_gather_rows, group_rank, heads_to_tokens, token_slices
 from .parallel.context import gather_rows, new_cp_stats, start_kv_exchange
@@ -90,11 +89,11 @@ class MSAOptions:
     def __post_init__(self) -> None:
         check_options(self.block_size, self.top_k, self.init_blocks, self.local_blocks,
                       self.backend, self.mode)
-        check_scale("softmax_scale", self.softmax_scale)
-        check_scale("index_scale", self.index_scale)
-        if self.kv_exchange not in CP_KV_EXCHANGES:
-            raise ValueError(
-                f"kv_exchange must be one of {CP_KV_EXCHANGES}, got {self.kv_exchange!r}")
+        for name in ("softmax_scale", "index_scale"):
+            value = check_scale(name, getattr(self, name))
+            if type(value) is not type(getattr(self, name)):  # e.g. an int scale -> float
+                object.__setattr__(self, name, value)
+        check_choice("kv_exchange", self.kv_exchange, CP_KV_EXCHANGES)
         if not isinstance(self.overlap_kv_exchange, bool):
             raise TypeError("overlap_kv_exchange must be a bool, got "
                             f"{type(self.overlap_kv_exchange).__name__}")

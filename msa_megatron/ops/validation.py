@@ -225,13 +225,3 @@ def check_options(block_size, top_k, init_blocks, local_blocks, backend, mode="s
     check_selection_budget(top_k, init_blocks, local_blocks)
     check_backend(backend)
     check_mode(mode)
-
-
-def check_scale(name: str, value) -> None:
-    """Raise unless ``value`` is None or a positive finite number."""
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float or None, got {type(value).__name__}")
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"{name} must be a positive finite number, got {value}")

@@ -105,6 +105,9 @@ BAD = {
     "softmax_scale_negative": Bad(_set(softmax_scale=-1.0), ValueError, r"softmax_scale", False),
     "index_scale_nan": Bad(_set(index_scale=math.nan), ValueError, r"index_scale"),
     "index_scale_not_number": Bad(_set(index_scale="0.1"), TypeError, r"index_scale"),
+    "softmax_scale_not_number": Bad(_set(softmax_scale="1"), TypeError, r"softmax_scale", False),
+    "backend_not_str": Bad(_set(backend=1), TypeError, r"backend"),
+    "mode_not_str": Bad(_set(mode=1), TypeError, r"mode", False),
     # cu_seqlens
     "cu_seqlens_int64": Bad(_set(cu_seqlens=torch.tensor([0, 20, 32])), TypeError,
                             r"cu_seqlens must be int32"),
@@ -232,8 +235,13 @@ BAD_CONFIGS = {
     "unknown_mode": (dict(mode="warmup"), ValueError, r"mode"),
     "unknown_backend": (dict(backend="cutlass"), ValueError, r"backend"),
     "unknown_cp_exchange": (dict(cp_kv_exchange="ring"), ValueError, r"cp_kv_exchange"),
-    "softmax_scale_bool": (dict(softmax_scale=True), ValueError, r"softmax_scale"),
-    "kl_coeff_bool": (dict(kl_coeff=True), ValueError, r"kl_coeff"),
+    "softmax_scale_bool": (dict(softmax_scale=True), TypeError, r"softmax_scale"),
+    "softmax_scale_str": (dict(softmax_scale="1"), TypeError, r"MSAConfig.softmax_scale"),
+    "kl_coeff_bool": (dict(kl_coeff=True), TypeError, r"kl_coeff"),
+    "kl_coeff_str": (dict(kl_coeff="1"), TypeError, r"MSAConfig.kl_coeff"),
+    "mode_not_str": (dict(mode=1), TypeError, r"mode"),
+    "backend_not_str": (dict(backend=1), TypeError, r"backend"),
+    "cp_exchange_not_str": (dict(cp_kv_exchange=1), TypeError, r"cp_kv_exchange"),
     "triton_block_256": (dict(backend="triton", block_size=256), ValueError,
                          r"triton.*block_size"),
     "triton_index_head_dim_96": (dict(backend="triton", index_head_dim=96), ValueError,
@@ -246,6 +254,32 @@ def test_config_rejects_bad_values(case):
     kwargs, error, match = BAD_CONFIGS[case]
     with pytest.raises(error, match=match):
         MSAConfig(**kwargs)
+
+
+# Options MSAConfig shares with msa_attention, and wrong values for them: a wrong type is a
+# TypeError and a bad value a ValueError in both, each message naming the option.
+T, V = TypeError, ValueError
+SHARED_OPTION_VALUES = {
+    "block_size": [("16", T), (16.0, T), (True, T), (None, T), (48, V), (8, V)],
+    "top_k": [("2", T), (2.0, T), (False, T), (None, T), (0, V), (-1, V)],
+    "init_blocks": [("0", T), (0.0, T), (True, T), (-1, V)],
+    "local_blocks": [("1", T), (1.0, T), (True, T), (0, V)],
+    "softmax_scale": [("1", T), (True, T), (0.0, V), (-1.0, V), (math.nan, V), (math.inf, V)],
+    "index_scale": [("1", T), (False, T), (0, V), (-0.5, V), (math.nan, V), (-math.inf, V)],
+    "mode": [(1, T), (None, T), ("warmup", V)],
+    "backend": [(1, T), ("cuda", V)],
+}
+
+
+@pytest.mark.parametrize("name,value,error", [(n, v, e) for n, pairs in SHARED_OPTION_VALUES.items()
+                                              for v, e in pairs], ids=repr)
+def test_config_and_op_raise_the_same_error(name, value, error):
+    args = _valid()
+    args[name] = value
+    with pytest.raises(error, match=name):
+        _call_attention(args)
+    with pytest.raises(error, match=name):
+        MSAConfig(**{"block_size": 16, name: value})
 
 
 def test_config_defaults_are_the_paper_defaults():

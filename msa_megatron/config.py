@@ -119,8 +119,9 @@ class MSAConfig:
 
 
 def check_int(name: str, value: object) -> int:
-    """``value`` as an int; TypeError naming ``name`` unless it is an int (bool is refused)."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    """``value`` as an int; TypeError naming ``name`` unless it is an integral number
+    (``numbers.Integral``: int, numpy integers; bool is refused)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     return int(value)
 

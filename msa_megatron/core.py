@@ -87,11 +87,13 @@ class MSAOptions:
     overlap_kv_exchange: bool = True
 
     def __post_init__(self) -> None:
-        check_options(self.block_size, self.top_k, self.init_blocks, self.local_blocks,
-                      self.backend, self.mode)
-        for name in ("softmax_scale", "index_scale"):
-            value = check_scale(name, getattr(self, name))
-            if type(value) is not type(getattr(self, name)):  # e.g. an int scale -> float
+        checked = dict(zip(("block_size", "top_k", "init_blocks", "local_blocks"), check_options(
+            self.block_size, self.top_k, self.init_blocks, self.local_blocks, self.backend,
+            self.mode)))
+        checked.update((name, check_scale(name, getattr(self, name)))
+                       for name in ("softmax_scale", "index_scale"))
+        for name, value in checked.items():  # plain int / float (e.g. from numpy integers)
+            if type(value) is not type(getattr(self, name)):
                 object.__setattr__(self, name, value)
         check_choice("kv_exchange", self.kv_exchange, CP_KV_EXCHANGES)
         if not isinstance(self.overlap_kv_exchange, bool):

@@ -123,8 +123,8 @@ def selection_recall(
     """
     T, Hq, D = q.shape
     Hkv, Hi = k.shape[1], q_idx.shape[1]
-    check_block_size(block_size)
-    check_selection_budget(top_k, init_blocks, local_blocks)
+    block_size = check_block_size(block_size)
+    top_k, init_blocks, local_blocks = check_selection_budget(top_k, init_blocks, local_blocks)
     meta = [name for name, t in (("q", q), ("k", k), ("q_idx", q_idx), ("k_idx", k_idx),
                                  ("rows", rows)) if t.is_meta]
     if meta:

@@ -48,7 +48,6 @@ blocks, only slower.
 from __future__ import annotations
 
 import collections
-import numbers
 import warnings
 from dataclasses import dataclass
 from typing import Any, Deque, Iterable, Optional, Union
@@ -62,7 +61,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from ..config import MSAConfig, check_mode
+from ..config import MSAConfig, check_int, check_mode
 from ..core import MSAOptions, msa_layer
 from ..parallel.comm import gather_last_dim, group_rank, group_size
 from ..parallel.context import resolve_cp_kv_exchange
@@ -490,9 +489,7 @@ def apply_msa_warmup(model: Union[torch.nn.Module, Iterable[torch.nn.Module]], s
         ValueError: ``step`` or ``dense_steps`` is negative.
     """
     for name, value in (("step", step), ("dense_steps", dense_steps)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if value < 0:
+        if check_int(name, value) < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
     mode = "dense" if step < dense_steps else "sparse"
     for core in _msa_cores(model):

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from typing import Dict
 
+from ..config import check_int
+
 FWD_BWD = 3  # forward + backward, Megatron's convention
 FMA = 2  # FLOPs per multiply-add
 
@@ -42,7 +44,7 @@ def attended_pairs(seq_len: int, block_size: int, top_k: int) -> int:
     Raises:
         ValueError: a non-positive ``block_size`` / ``top_k`` or a negative ``seq_len``.
     """
-    _check(seq_len=seq_len, block_size=block_size, top_k=top_k)
+    seq_len, block_size, top_k = _check(seq_len=seq_len, block_size=block_size, top_k=top_k)
     total = 0
     for start in range(0, seq_len, block_size):
         block = start // block_size
@@ -54,7 +56,7 @@ def attended_pairs(seq_len: int, block_size: int, top_k: int) -> int:
 
 def dense_pairs(seq_len: int) -> int:
     """(query, key) pairs of full causal attention over ``seq_len`` tokens."""
-    _check(seq_len=seq_len)
+    (seq_len,) = _check(seq_len=seq_len)
     return seq_len * (seq_len + 1) // 2
 
 
@@ -76,10 +78,11 @@ def msa_layer_flops(seq_len: int, *, hidden_size: int, num_heads: int, head_dim:
     Raises:
         ValueError: a non-positive size or an unknown mode.
     """
-    _check(hidden_size=hidden_size, num_heads=num_heads, head_dim=head_dim,
-           index_heads=index_heads, index_key_heads=index_key_heads,
-           index_head_dim=index_head_dim, block_size=block_size, top_k=top_k)
-    _check(seq_len=seq_len)
+    (hidden_size, num_heads, head_dim, index_heads, index_key_heads, index_head_dim, block_size,
+     top_k) = _check(hidden_size=hidden_size, num_heads=num_heads, head_dim=head_dim,
+                     index_heads=index_heads, index_key_heads=index_key_heads,
+                     index_head_dim=index_head_dim, block_size=block_size, top_k=top_k)
+    (seq_len,) = _check(seq_len=seq_len)
     if mode not in ("sparse", "dense"):
         raise ValueError(f"mode must be 'sparse' or 'dense', got {mode!r}")
     full = dense_pairs(seq_len)
@@ -100,14 +103,19 @@ def megatron_dense_core_flops(seq_len: int, *, num_heads: int, head_dim: int) ->
     """Megatron-LM's core-attention FLOPs of one layer and sequence: ``6 * Hq * D * L**2``
     (``standard_self_attn_core_term * seqlen_squared_sum`` of ``num_floating_point_operations``,
     0.16-0.19)."""
-    _check(seq_len=seq_len, num_heads=num_heads, head_dim=head_dim)
+    seq_len, num_heads, head_dim = _check(seq_len=seq_len, num_heads=num_heads,
+                                          head_dim=head_dim)
     return FWD_BWD * FMA * num_heads * head_dim / 2 * 2 * seq_len * seq_len
 
 
-def _check(**values: int) -> None:
+def _check(**values: int) -> tuple:
+    """The values as ints, in order (numpy integers accepted, bool not); seq_len >= 0, the
+    others > 0."""
+    checked = []
     for name, value in values.items():
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        value = check_int(name, value)
         if value < (0 if name == "seq_len" else 1):
             raise ValueError(f"{name} must be {'>= 0' if name == 'seq_len' else '> 0'}, "
                              f"got {value}")
+        checked.append(value)
+    return tuple(checked)

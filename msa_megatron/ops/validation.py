@@ -219,9 +219,15 @@ def check_backend_limits(backend: str, dtype: torch.dtype, head_dims: dict, bloc
             f">= 2^31; split the batch (fewer tokens per call) or lower top_k")
 
 
-def check_options(block_size, top_k, init_blocks, local_blocks, backend, mode="sparse") -> None:
-    """Validate the scalar options shared by ``select_blocks`` and ``msa_attention``."""
-    check_block_size(block_size)
-    check_selection_budget(top_k, init_blocks, local_blocks)
+def check_options(block_size, top_k, init_blocks, local_blocks, backend,
+                  mode="sparse") -> tuple:
+    """Validate the scalar options shared by ``select_blocks`` and ``msa_attention``.
+
+    Returns:
+        ``(block_size, top_k, init_blocks, local_blocks)`` as ints (numpy integers accepted).
+    """
+    block_size = check_block_size(block_size)
+    selection = check_selection_budget(top_k, init_blocks, local_blocks)
     check_backend(backend)
     check_mode(mode)
+    return (block_size,) + selection

@@ -9,6 +9,7 @@ import dataclasses
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from msa_megatron import MSAConfig
@@ -71,6 +72,8 @@ def test_invalid_values_raise():
 
 def test_mapping():
     assert msa_config_from_mapping({"top_k": 5}) == MSAConfig(top_k=5)
+    from_numpy = msa_config_from_mapping({"top_k": np.int64(5), "block_size": np.int32(64)})
+    assert from_numpy == MSAConfig(top_k=5, block_size=64) and type(from_numpy.top_k) is int
     with pytest.raises(ValueError, match="unknown MSAConfig fields"):
         msa_config_from_mapping({"topk": 5})
     with pytest.raises(ValueError, match="JSON object"):

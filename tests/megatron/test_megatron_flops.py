@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from msa_megatron.megatron.flops import (
@@ -59,3 +60,14 @@ def test_bad_arguments():
         msa_layer_flops(8, **SHAPE, mode="fast")
     with pytest.raises(TypeError, match="seq_len"):
         dense_pairs(8.0)
+
+
+def test_numpy_integers_are_ints_and_bool_is_not():
+    shape = {k: np.int64(v) for k, v in SHAPE.items()}
+    assert msa_layer_flops(np.int32(8), **shape) == msa_layer_flops(8, **SHAPE)
+    assert attended_pairs(np.int64(8), np.int64(2), np.int16(2)) == 24
+    assert type(attended_pairs(np.int64(8), np.int64(2), np.int64(2))) is int
+    assert megatron_dense_core_flops(np.int64(8), num_heads=np.int64(2), head_dim=4) == \
+        megatron_dense_core_flops(8, num_heads=2, head_dim=4)
+    with pytest.raises(TypeError, match="top_k"):
+        attended_pairs(8, 2, True)

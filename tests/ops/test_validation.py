@@ -8,10 +8,12 @@ import dataclasses
 import math
 from typing import Callable, Dict, NamedTuple, Type
 
+import numpy as np
 import pytest
 import torch
 
 from msa_megatron import MSAConfig, msa_attention, select_blocks
+from msa_megatron.core import MSAOptions
 from msa_megatron.ops.backends import get_backend
 from tests.support.inputs import make_inputs
 
@@ -280,6 +282,49 @@ def test_config_and_op_raise_the_same_error(name, value, error):
         _call_attention(args)
     with pytest.raises(error, match=name):
         MSAConfig(**{"block_size": 16, name: value})
+
+
+NUMPY_OPTIONS = dict(block_size=np.int64(16), top_k=np.int32(3), init_blocks=np.int16(1),
+                     local_blocks=np.uint8(1), softmax_scale=np.float32(0.5),
+                     index_scale=np.int64(1))
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_numpy_numbers_reach_the_backend_as_python_numbers(entry, monkeypatch):
+    """Any integral number (numpy integers) is an int option, any real number a scale; the
+    backend core gets plain int / float."""
+    seen = {}
+
+    def record(*args, **kwargs):
+        seen.update(kwargs)
+        raise ComputeCalled("recorded")
+
+    module = get_backend("torch")
+    monkeypatch.setattr(module, "select", record)
+    args = _valid()
+    args.update(NUMPY_OPTIONS, backend="torch")
+    with pytest.raises(ComputeCalled):
+        ENTRY_POINTS[entry](args)
+    assert seen["top_k"] == 3 and seen["index_scale"] == 1.0
+    assert {k: type(v) for k, v in seen.items() if v is not None} == {
+        "block_size": int, "top_k": int, "init_blocks": int, "local_blocks": int,
+        "index_scale": float}
+
+
+def test_numpy_numbers_in_options_and_config_are_stored_as_python_numbers():
+    options = MSAOptions(**NUMPY_OPTIONS)
+    cfg = MSAConfig(**NUMPY_OPTIONS, index_heads=np.int64(4), index_key_heads=np.int64(2),
+                    index_head_dim=np.int32(64), kl_coeff=np.float32(0.25))
+    assert cfg == MSAConfig(block_size=16, top_k=3, init_blocks=1, local_blocks=1,
+                            softmax_scale=0.5, index_scale=1.0, index_heads=4, index_key_heads=2,
+                            index_head_dim=64, kl_coeff=0.25)
+    for holder in (options, cfg):
+        for field in dataclasses.fields(holder):
+            value = getattr(holder, field.name)
+            assert type(value) in (int, float, str, bool, type(None)), (field.name, type(value))
+    assert MSAOptions.from_config(cfg).top_k == 3
+    with pytest.raises(TypeError, match="top_k"):
+        MSAConfig(top_k=np.bool_(True))
 
 
 def test_config_defaults_are_the_paper_defaults():

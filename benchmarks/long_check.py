@@ -15,7 +15,8 @@ measure of ``bench_kernels.rel``; the spec's bf16 bar is 1e-2 (observed ~2-3e-3 
 
 Usage (one H200, ~2-3 min at 1M; JSON written at the end)::
 
-    . benchmarks/gpu_env.sh && python benchmarks/long_check.py $OUT/long_check_1m.json
+    . benchmarks/gpu_env.sh && python benchmarks/long_check.py $OUT/long_check_1m.json \\
+        [--commit SHA]   # the code's commit, where the copy run carries stale git metadata
     TRITON_INTERPRET=1 python benchmarks/long_check.py /tmp/l.json --tokens 300 --rows 6 \\
         --dtype float16 --heads 4,2,2,1 --head-dim 16 --block 16 --top-k 3   # CPU, tiny
 """
@@ -71,6 +72,8 @@ def main() -> int:
     parser.add_argument("--top-k", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--commit", default=None,
+                        help="commit recorded in the JSON (default: provenance.git_commit())")
     args = parser.parse_args()
     try:
         hq, hkv, hi, hik = parse_heads(args.heads)
@@ -107,7 +110,8 @@ def main() -> int:
                   block=args.block, top_k=args.top_k, dtype=args.dtype,
                   gpu=(torch.cuda.get_device_name() if device.type == "cuda"
                        else f"none (CPU {platform.machine()}, Triton interpreter)"),
-                  torch=torch.__version__, commit=git_commit(), started=time.strftime("%F %T"))
+                  torch=torch.__version__, commit=args.commit or git_commit(),
+                  started=time.strftime("%F %T"))
 
     def step():
         for v in x.values():

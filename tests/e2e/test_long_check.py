@@ -32,9 +32,10 @@ def interpret(monkeypatch):
 
 def test_tiny_step_matches_the_oracle_on_sampled_rows(tmp_path, monkeypatch, interpret):
     out = tmp_path / "l.json"
-    monkeypatch.setattr(sys, "argv", ["long_check.py", str(out), *TINY])
+    monkeypatch.setattr(sys, "argv", ["long_check.py", str(out), *TINY, "--commit", "02a3f76"])
     assert _load().main() == 0
     result = json.loads(out.read_text())
+    assert result["commit"] == "02a3f76"  # as given, not the copy's git metadata
     assert result["ok"] and all(result["finite"].values())
     assert result["select"] == dict(row_heads_differing=0, not_near_tie=0, row_heads=5)
     assert max(result["errors"].values()) < 2e-3
@@ -51,9 +52,12 @@ def test_a_wrong_selection_fails_the_check(tmp_path, monkeypatch, interpret):
     out = tmp_path / "l.json"
     monkeypatch.setattr(msa_megatron, "select_blocks", shifted)
     monkeypatch.setattr(sys, "argv", ["long_check.py", str(out), *TINY])
-    assert _load().main() == 1
+    script = _load()
+    monkeypatch.setattr(script, "git_commit", lambda: "abc1234+dirty")
+    assert script.main() == 1
     result = json.loads(out.read_text())
     assert not result["ok"] and result["select"]["not_near_tie"] > 0
+    assert result["commit"] == "abc1234+dirty"  # without --commit: provenance.git_commit()
 
 
 @pytest.mark.parametrize("flags,needle", [

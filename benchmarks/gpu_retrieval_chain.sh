@@ -81,8 +81,8 @@
 #
 # Exit status: 0 when the phase did its work; 2 for a saved warm-up of other settings (either
 # phase, before any training), for an unknown PHASE, a number that is not a whole one,
-# WARMUP=0, STEPS <= WARMUP and a recipe that pretrain_tiny.py --check-only refuses (its
-# message; all five before anything starts); PHASE=warmup: the link's own when it failed (2:
+# WARMUP=0, STEPS <= WARMUP and a recipe (or, PHASE=warmup, lane B's recipe with B_FLAGS)
+# that pretrain_tiny.py --check-only refuses (its message; all before anything starts); PHASE=warmup: the link's own when it failed (2:
 # settings refused, 124: stopped by its timeout, its steps not saved); PHASE=variants: 1 when
 # the warm-up is not finished (its pieces come back for another link) or a lane failed; 1 for
 # carried pieces that do not unpack.
@@ -138,6 +138,13 @@ RECIPE="--task retrieval --record-format fused --seq-len $WINDOW --task-len $LEN
 if ! msa_check_settings python3 $RECIPE; then
     echo "gpu_retrieval_chain.sh: pretrain_tiny.py refuses the recipe (LEN_TASK, WINDOW, WARMUP," \
          "STEPS, TOPK, LR, KEYS, VALUES, GATE, EXTRA): nothing was started" >&2
+    exit 2
+fi
+# Lane B's recipe too (PHASE=warmup reads B_FLAGS), whatever the GPU count.
+if [ "$PHASE" = warmup ] && [ -n "${B_FLAGS:-}" ] && ! msa_check_settings python3 $RECIPE $B_FLAGS
+then
+    echo "gpu_retrieval_chain.sh: pretrain_tiny.py refuses lane B's recipe (B_FLAGS=$B_FLAGS):" \
+         "nothing was started" >&2
     exit 2
 fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -101,6 +101,18 @@ def test_recipe_refused_by_pretrain_tiny_stops_before_anything_starts(tree, tmp_
     assert not (tree / "runs").exists() and not (tmp_path / "out").exists()
 
 
+def test_lane_b_flags_refused_by_pretrain_tiny_stop_before_anything_starts(tree, tmp_path):
+    """B_FLAGS (lane B, PHASE=warmup) go through pretrain_tiny.py --check-only with the recipe
+    up front: a bad one used to show only in lane B's log, on a second GPU, after the main
+    link had started."""
+    proc = _chain(tree, tmp_path / "out", PHASE="warmup", B_FLAGS="--lr -1")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "--lr -1.0 must be a finite number > 0" in proc.stderr, proc.stderr
+    assert "refuses lane B's recipe (B_FLAGS=--lr -1)" in proc.stderr
+    assert "warm-up link" not in proc.stdout
+    assert not (tree / "runs").exists() and not (tmp_path / "out").exists()
+
+
 def test_pieces_of_two_calls_mixed_are_refused(tree, tmp_path):
     carry = tree / "runs" / "carry"
     carry.mkdir(parents=True)

@@ -555,8 +555,9 @@ def sdpa_fn(x, backend_name, grads, deterministic=False):
 
 
 def kl_only_fn(x, cfg):
+    """The dense-mode KL alone (value and index gradients), through the triton backend's
+    dispatch (``MSA_DENSE_KL``: the Gluon pass where it applies), as dense mode runs it."""
     from msa_megatron.ops import triton as triton_backend
-    from msa_megatron.ops.triton.dense_kl import dense_kl_loss
 
     t = x["q"].shape[0]
     q_pos, q_kbase = query_layout(x["cu"], t, x["q"].device)
@@ -564,8 +565,9 @@ def kl_only_fn(x, cfg):
                                               cfg["block"], cfg["d"] ** -0.5, cfg["hi"])
 
     def fn():
-        return dense_kl_loss(x["q"], x["k"], lse, x["q_idx"], x["k_idx"], q_pos, q_kbase,
-                             cfg["d"] ** -0.5, cfg["di"] ** -0.5, 1.0 / (t * cfg["hi"]), True)
+        return triton_backend._kl(x["q"], x["k"], lse, x["q_idx"], x["k_idx"], None, q_pos,
+                                  q_kbase, cfg["block"], cfg["d"] ** -0.5, cfg["di"] ** -0.5,
+                                  1.0 / (t * cfg["hi"]), True)
 
     return fn
 

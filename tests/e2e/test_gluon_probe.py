@@ -152,7 +152,12 @@ def test_compile_subcommand_for_sm90():
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     lines = {line.split()[0]: line for line in done.stdout.splitlines()[1:]}
-    assert set(lines) == {"triton", "gluon", "gluon_wg1", "gluon_bn128", "gluon_pp"}, done.stdout
+    assert set(lines) == {"triton", "gluon", "gluon_wg1", "gluon_bn128", "gluon_pp",
+                          "kl", "kl_g4", "kl_g1"}, done.stdout
+    for name, heads in (("kl", 16), ("kl_g4", 4), ("kl_g1", 1)):  # the dense KL's pass A
+        assert "wgmma serialised no " in lines[name], lines[name]
+        # per key step one wait per head, the student product and dz k_idx
+        assert f"WARPGROUP.DEPBAR {heads + 2} " in lines[name], lines[name]
     for name in ("gluon", "gluon_wg1", "gluon_bn128", "gluon_pp"):
         consumers = 2 if name == "gluon_pp" else 1  # partitions with their own code
         assert "wgmma serialised no " in lines[name], lines[name]

@@ -30,7 +30,7 @@ DENSE_KL_ENV = "MSA_DENSE_KL"
 DENSE_KL_CHOICES = ("auto", "gluon", "onepass", "twopass")
 # the choice when MSA_DENSE_KL is unset: "onepass" until the Gluon kernel's GPU check
 # (benchmarks/gluon_probe.py kl) has passed on an H200, then "auto"
-DENSE_KL_DEFAULT = "onepass"
+DENSE_KL_DEFAULT = "auto"
 
 
 def dense_kl_choice(q, k, q_idx, k_idx) -> str:

@@ -734,6 +734,15 @@ KL_CHECKS = {  # name: (document lengths, (Hq, Hkv, Hi, Hik), dtype, dz budget b
     "hpi4_bf16": ([4096], (16, 4, 4, 1), torch.bfloat16, None),
     "chunks_bf16": ([4096], (64, 4, 4, 1), torch.bfloat16, 16 << 20),  # 8 key chunks
 }
+# shapes the kernel is written for but dense_kl_gluon._VERIFIED_ONLY keeps on the Triton pass
+# until they pass here (``--kl-child check_wide OUT``): head dim 64, two index heads per KV group,
+# two index key heads, one KV head for four index heads
+KL_CHECKS_WIDE = {
+    "d64_bf16": ([4096], (64, 4, 4, 1), torch.bfloat16, None, 64),
+    "ipg2_bf16": ([4096], (32, 4, 8, 1), torch.bfloat16, None),
+    "hik2_bf16": ([4096], (64, 4, 4, 2), torch.bfloat16, None),
+    "hkv1_bf16": ([1000, 37, 3059], (16, 1, 4, 1), torch.bfloat16, None),
+}
 KL_REFERENCE = ("hpi4_bf16",)  # float64 oracle too (Hq 16: affordable at 4096 tokens)
 KL_TOKENS = (32768, 131072)
 
@@ -822,8 +831,8 @@ def run_kl_check(path: str, device: str = "cuda", checks=None, pass_a=None) -> d
     device = torch.device(device)
     pass_a = pass_a or dkg.pass_a_gluon
     entry = {}
-    for name, (lens, heads, dtype, budget) in (checks or KL_CHECKS).items():
-        x = _kl_inputs(lens, heads, dtype, device)
+    for name, (lens, heads, dtype, budget, *dim) in (checks or KL_CHECKS).items():
+        x = _kl_inputs(lens, heads, dtype, device, dim=dim[0] if dim else HEAD_DIM)
         dim = x[0].shape[2]
         scales = (dim ** -0.5, dim ** -0.5, 1.0, True)
         ok, why = dkg.gluon_kl_supported(x[0], x[1], x[3], x[4])
@@ -922,6 +931,8 @@ def run_kl_child(child: str, path: str, token_counts) -> int:
     what was written so far stays in ``path``)."""
     if child == "check":
         run_kl_check(path)
+    elif child == "check_wide":
+        run_kl_check(path, checks=KL_CHECKS_WIDE)
     else:
         run_kl_time(child.split("_", 1)[1], path, token_counts)
     return 0
@@ -934,7 +945,8 @@ def main(argv=None) -> int:
     if argv[:1] in (["kl"], ["--kl-child"]):
         parser = argparse.ArgumentParser(description="dense KL: Gluon vs Triton (GPU)")
         if argv[0] == "--kl-child":
-            parser.add_argument("child", choices=("check", "time_triton", "time_gluon"))
+            parser.add_argument("child", choices=("check", "check_wide", "time_triton",
+                                                  "time_gluon"))
         parser.add_argument("out", help="JSON file to write")
         parser.add_argument("--tokens", type=int, nargs="+", default=list(KL_TOKENS))
         parser.add_argument("--timeout", type=float, default=180.0,

@@ -41,8 +41,9 @@ DZ_BUDGET_BYTES = 2 << 30
 BLOCK_M, BLOCK_N = 64, 128
 _HEAD_DIMS = (64, 128)
 _MAX_HPI = 16
-# only the shapes the H200 check has run (D = Di = 128, Hik 1, Hi = Hkv, Tq = Tk); False: all
-# the kernel is written for
+# only the layouts the H200 checks have run (results/dense_kl_gluon*_h200_s12.json: D, Di 64 and
+# 128, Hq / Hi 4 and 16, Hi / Hkv 1, 2 and 4, Hik 1 and 2, packed documents; not Tq != Tk, the
+# CP layout); False: all the kernel is written for
 _VERIFIED_ONLY = True
 # pass B programs aimed at per chunk (its query tiles split into segments to reach it)
 _PASS_B_PROGRAMS = 528
@@ -53,8 +54,8 @@ def gluon_kl_supported(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor,
     """``(True, "")`` when :func:`dense_kl_loss_gluon` runs these inputs, else ``(False,
     reason)``: a CUDA device of compute capability 9.x, Gluon's Hopper modules importable,
     fp16/bf16, ``D`` and ``Di`` in {64, 128}, ``Hq / Hi`` in 1..16, ``Hkv`` dividing ``Hi`` and
-    ``Hik`` dividing ``Hi``; while :data:`_VERIFIED_ONLY`, also only what the GPU check has run:
-    ``D = Di = 128``, ``Hik = 1``, ``Hi = Hkv``, ``Tq = Tk`` (not the CP layout). (Finiteness is
+    ``Hik`` dividing ``Hi``; while :data:`_VERIFIED_ONLY`, also only the layout the GPU checks
+    have run: ``Tq = Tk`` (not the CP layout). (Finiteness is
     checked by the call itself, which hands non-finite inputs to :mod:`.dense_kl`.)"""
     if q.device.type != "cuda":
         return False, f"needs a CUDA device, inputs are on {q.device.type}"
@@ -86,14 +87,8 @@ def shape_support(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor,
         return False, f"needs Hkv and Hik to divide Hi, got Hkv {hkv}, Hik {hik}, Hi {hi}"
     if not _VERIFIED_ONLY:
         return True, ""
-    # what the H200 check (benchmarks/gluon_probe.py kl) has run; the kernel is written for the
-    # wider set above, the rest waits for a GPU check (benchmarks/NOTES.md, "Dense KL in Gluon")
-    if d != 128 or di != 128:
-        return False, (f"D = Di = 128 only until other head dims are checked on a GPU "
-                       f"(D {d}, Di {di})")
-    if hik != 1 or hi != hkv:
-        return False, (f"one index key head and one index head per KV group only until other "
-                       f"layouts are checked on a GPU (Hik {hik}, Hi {hi}, Hkv {hkv})")
+    # what the H200 checks (benchmarks/gluon_probe.py kl, --kl-child check_wide) have run; the
+    # CP layout waits for a GPU check (benchmarks/NOTES.md, "Dense KL in Gluon")
     if q.shape[0] != k.shape[0]:
         return False, (f"the standard layout only (as many key rows as query rows) until the CP "
                        f"layout is checked on a GPU (Tq {q.shape[0]}, Tk {k.shape[0]})")

@@ -14,29 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_compile import time_ms  # noqa: E402
 from gluon_probe import _kl_inputs  # noqa: E402
 from provenance import git_commit  # noqa: E402
-
-
-def _wall_ms(fn, n=3):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def profile(tokens: int, budget: int) -> dict:
@@ -48,7 +34,7 @@ def profile(tokens: int, budget: int) -> dict:
     def call():
         return g.dense_kl_chunked(*x, *scales, pass_a=g.pass_a_gluon, budget=budget)
 
-    wall = _wall_ms(call)
+    wall = time_ms(call, 3)["median"]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             call()

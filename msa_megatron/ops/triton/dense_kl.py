@@ -237,22 +237,28 @@ def _unpack_fixed(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([low, high], dim=-1).flatten(-2)
 
 
-def _query_tile_ranges(q_pos: torch.Tensor, q_kbase: torch.Tensor, Tk: int, bm: int, bn: int):
-    """Per key tile ``n``: the query tiles ``[m_lo, m_hi)`` that may see one of its keys.
-
-    Query tile ``m`` reads key rows ``[min kbase, max kbase + pos]`` over its rows; the bounds
-    are made monotone (running max / reverse running min), so each key tile gets one contiguous
-    range, a superset of the tiles that see it (the kernel masks per element). No host sync.
+def tile_key_bounds(q_pos: torch.Tensor, q_kbase: torch.Tensor, Tk: int, bm: int) -> tuple:
+    """``(lo, hi)`` int64 ``[cdiv(Tq, bm)]``: query tile ``m`` reads key rows ``[lo[m],
+    hi[m]]``, the min ``kbase`` and max ``kbase + pos`` over its rows made monotone in ``m``
+    (reverse running min, running max), so each key tile is read by one contiguous range of
+    query tiles, a superset of those that see it (the kernels mask per element). No host sync.
     """
     Tq = q_pos.shape[0]
     n_m = triton.cdiv(Tq, bm)
     pad = n_m * bm - Tq
     kb = q_kbase.to(torch.int64)
-    hi = kb + q_pos.to(torch.int64)
+    last = kb + q_pos.to(torch.int64)
     lo_t = torch.nn.functional.pad(kb, (0, pad), value=Tk).view(n_m, bm).amin(1)
-    hi_t = torch.nn.functional.pad(hi, (0, pad), value=-1).view(n_m, bm).amax(1)
+    hi_t = torch.nn.functional.pad(last, (0, pad), value=-1).view(n_m, bm).amax(1)
     hi_t = torch.cummax(hi_t, 0).values
     lo_t = torch.flip(torch.cummin(torch.flip(lo_t, (0,)), 0).values, (0,))
+    return lo_t, hi_t
+
+
+def _query_tile_ranges(q_pos: torch.Tensor, q_kbase: torch.Tensor, Tk: int, bm: int, bn: int):
+    """Per key tile ``n``: the query tiles ``[m_lo, m_hi)`` that may see one of its keys
+    (:func:`tile_key_bounds`). No host sync."""
+    lo_t, hi_t = tile_key_bounds(q_pos, q_kbase, Tk, bm)
     starts = torch.arange(0, triton.cdiv(Tk, bn), device=q_pos.device, dtype=torch.int64) * bn
     # first m with hi_t >= start; first m with lo_t > last key of the tile
     m_lo = torch.searchsorted(hi_t.contiguous(), starts, right=False)

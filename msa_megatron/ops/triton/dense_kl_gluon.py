@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ._common import dot_flags, interpreting, mma
-from .dense_kl import _DZ_SCALE, _LOG2E, dense_kl_loss, student_lse
+from .dense_kl import _DZ_SCALE, _LOG2E, dense_kl_loss, student_lse, tile_key_bounds
 
 # the dz buffer of one key chunk: Hi x Tq x C elements of the input dtype
 DZ_BUDGET_BYTES = 2 << 30
@@ -100,19 +100,11 @@ def key_tile_ranges(q_pos: torch.Tensor, q_kbase: torch.Tensor, Tk: int, bm: int
     ``[n_lo[m], n_hi[m])``; and ``(m_lo, m_hi)`` int32 ``[cdiv(Tk, bn)]``: key tile ``n`` is read
     by query tiles in ``[m_lo[n], m_hi[n])`` (exactly those with ``n_lo[m] <= n < n_hi[m]``).
 
-    A tile's key bounds (min ``kbase``, max ``kbase + pos`` over its rows) are made monotone in
-    ``m`` (reverse running min, running max), so both are non-decreasing: a superset of the keys
-    each tile's rows see (the kernels mask per element). No host sync."""
-    Tq = q_pos.shape[0]
-    n_m = triton.cdiv(Tq, bm)
+    The tiles' key bounds are :func:`.dense_kl.tile_key_bounds` (monotone in ``m``), so both
+    ranges are non-decreasing: a superset of the keys each tile's rows see (the kernels mask
+    per element). No host sync."""
     n_k = triton.cdiv(Tk, bn)
-    pad = n_m * bm - Tq
-    kb = q_kbase.to(torch.int64)
-    last = kb + q_pos.to(torch.int64)
-    lo_t = torch.nn.functional.pad(kb, (0, pad), value=Tk).view(n_m, bm).amin(1)
-    hi_t = torch.nn.functional.pad(last, (0, pad), value=-1).view(n_m, bm).amax(1)
-    hi_t = torch.cummax(hi_t, 0).values
-    lo_t = torch.flip(torch.cummin(torch.flip(lo_t, (0,)), 0).values, (0,))
+    lo_t, hi_t = tile_key_bounds(q_pos, q_kbase, Tk, bm)
     n_lo = torch.div(lo_t, bn, rounding_mode="floor").clamp(0, n_k)
     n_hi = torch.maximum((torch.div(hi_t, bn, rounding_mode="floor") + 1).clamp(0, n_k), n_lo)
     tiles = torch.arange(n_k, device=q_pos.device, dtype=torch.int64)

@@ -235,11 +235,15 @@ def test_nonfinite_inputs_go_to_the_triton_dense_kl(monkeypatch):
     (dict(), ""),  # the paper heads: run
     (dict(dtype=torch.float32), "fp16/bf16"),
     (dict(d=64, di=64), ""),
+    (dict(di=64), "D = Di only"),
+    (dict(hq=12), "power of two"),  # Hq / Hi = 3: the kernel's row ranges need a power of two
+    (dict(hq=8), "Hq / Hi in (4, 16)"),  # 2: not yet run on a GPU
+    (dict(hi=8, hkv=1, hq=32), "Hi / Hkv <= 4"),
     (dict(di=96), "D and Di in"),
     (dict(hik=2), ""),
     (dict(hkv=2), ""),  # Hi 4, Hkv 2: two index heads per KV group
     (dict(hkv=3), "Hkv and Hik to divide Hi"),
-    (dict(hq=128), "Hq / Hi in 1..16"),
+    (dict(hq=128), "a power of two in 1..16"),
     (dict(tk=96), "standard layout only"),
 ])
 def test_shape_support_is_what_the_gpu_check_ran(shape, reason):

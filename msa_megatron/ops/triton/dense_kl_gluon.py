@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from ._common import dot_flags, interpreting, mma
+from ._isolation import nonfinite_flag
 from .dense_kl import _DZ_SCALE, _LOG2E, dense_kl_loss, student_lse, tile_key_bounds
 
 # the dz buffer of one key chunk: Hi x Tq x C elements of the input dtype
@@ -53,10 +54,11 @@ def gluon_kl_supported(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor,
                        k_idx: torch.Tensor) -> tuple:
     """``(True, "")`` when :func:`dense_kl_loss_gluon` runs these inputs, else ``(False,
     reason)``: a CUDA device of compute capability 9.x, Gluon's Hopper modules importable,
-    fp16/bf16, ``D`` and ``Di`` in {64, 128}, ``Hq / Hi`` in 1..16, ``Hkv`` dividing ``Hi`` and
-    ``Hik`` dividing ``Hi``; while :data:`_VERIFIED_ONLY`, also only the layout the GPU checks
-    have run: ``Tq = Tk`` (not the CP layout). (Finiteness is
-    checked by the call itself, which hands non-finite inputs to :mod:`.dense_kl`.)"""
+    fp16/bf16, ``D`` and ``Di`` in {64, 128}, ``Hq / Hi`` a power of two in 1..16, ``Hkv``
+    and ``Hik`` dividing ``Hi``; while :data:`_VERIFIED_ONLY`, also only what the GPU checks
+    have run: ``Hq / Hi`` 4 or 16, ``D = Di``, ``Hi / Hkv <= 4``, ``Hik <= 2``, ``Tq = Tk``
+    (not the CP layout). (Finiteness is checked by the call itself, which hands non-finite
+    inputs to :mod:`.dense_kl`.)"""
     if q.device.type != "cuda":
         return False, f"needs a CUDA device, inputs are on {q.device.type}"
     major, minor = torch.cuda.get_device_capability(q.device)
@@ -81,14 +83,22 @@ def shape_support(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor,
     hkv, hi, di, hik = k.shape[1], q_idx.shape[1], q_idx.shape[2], k_idx.shape[1]
     if d not in _HEAD_DIMS or di not in _HEAD_DIMS:
         return False, f"needs D and Di in {_HEAD_DIMS}, got D {d}, Di {di}"
-    if hq % hi or not 1 <= hq // hi <= _MAX_HPI:
-        return False, f"needs Hq / Hi in 1..{_MAX_HPI}, got Hq {hq}, Hi {hi}"
+    if hq % hi or not 1 <= hq // hi <= _MAX_HPI or (hq // hi) & (hq // hi - 1):
+        return False, (f"needs Hq / Hi a power of two in 1..{_MAX_HPI} (the kernel's row "
+                       f"ranges), got Hq {hq}, Hi {hi}")
     if hi % hkv or hi % hik:
         return False, f"needs Hkv and Hik to divide Hi, got Hkv {hkv}, Hik {hik}, Hi {hi}"
     if not _VERIFIED_ONLY:
         return True, ""
     # what the H200 checks (benchmarks/gluon_probe.py kl, --kl-child check_wide) have run; the
     # CP layout waits for a GPU check (benchmarks/NOTES.md, "Dense KL in Gluon")
+    g = hq // hi
+    if g not in (4, 16) or d != di:
+        return False, (f"Hq / Hi in (4, 16) and D = Di only until others are checked on a GPU "
+                       f"(Hq / Hi {g}, D {d}, Di {di})")
+    if hi // hkv > 4 or hik > 2:
+        return False, (f"Hi / Hkv <= 4 and Hik <= 2 only until others are checked on a GPU "
+                       f"(Hi / Hkv {hi // hkv}, Hik {hik})")
     if q.shape[0] != k.shape[0]:
         return False, (f"the standard layout only (as many key rows as query rows) until the CP "
                        f"layout is checked on a GPU (Tq {q.shape[0]}, Tk {k.shape[0]})")
@@ -255,7 +265,10 @@ def dense_kl_chunked(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: flo
     cols = chunk_columns(Hi, Tq_pad, Tk, q.element_size(), budget, bn) if compute_grad \
         else n_k * bn
     chunks = range(0, n_k * bn, cols)
-    kl_part = torch.zeros((len(chunks), n_m * Hi), dtype=torch.float32, device=dev)
+    # per program of a launch; added into kl_total after each chunk (fixed order), so the KL
+    # buffers stay [n_m Hi] whatever the chunk count (a [chunks, n_m Hi] one grows as T^3)
+    kl_part = torch.empty(n_m * Hi, dtype=torch.float32, device=dev)
+    kl_total = torch.zeros(n_m * Hi, dtype=torch.float32, device=dev)
     dq = torch.zeros((Tq, Hi, Di) if compute_grad else (1,), dtype=torch.float32, device=dev)
     dk_part = torch.empty((Hi, n_k * bn, Di) if compute_grad else (1,), dtype=torch.float32,
                           device=dev)
@@ -268,11 +281,12 @@ def dense_kl_chunked(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: flo
     # the head mean folded into the exponent: lse log2e + log2 G, [Hq, Tq]
     lse2 = (lse * _LOG2E + math.log2(Hq // Hi)).t().contiguous()
     upcast, ieee = dot_flags(q.dtype)
-    for c, c0 in enumerate(chunks):
+    for c0 in chunks:
         ch_lo, ch_hi = c0 // bn, min((c0 + cols) // bn, n_k)
+        kl_part.zero_()  # programs with no key tile in the chunk add nothing
         pass_a(_Launch(q=q, k=k, q_idx=q_idx, k_idx=k_idx, lse2=lse2, lse_z=lse_z, q_pos=q_pos,
                        q_kbase=q_kbase, n_lo=n_lo, n_hi=n_hi, dz_buf=dz_buf, dq=dq,
-                       kl_part=kl_part[c], Tq=Tq, Tk=Tk, Tq_pad=Tq_pad, C=cols, ch_lo=ch_lo,
+                       kl_part=kl_part, Tq=Tq, Tk=Tk, Tq_pad=Tq_pad, C=cols, ch_lo=ch_lo,
                        ch_hi=ch_hi, Hq=Hq, Hkv=Hkv, Hi=Hi, Hik=Hik, bm=bm, bn=bn,
                        scale2=float(softmax_scale) * _LOG2E, iscale=float(index_scale),
                        grad=compute_grad))
@@ -287,7 +301,8 @@ def dense_kl_chunked(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: flo
             )
             width = (ch_hi - ch_lo) * bn
             dk_part[:, ch_lo * bn:ch_lo * bn + width] = part[:, :, :width].sum(0)
-    value = kl_part.sum() * kl_scale
+        kl_total += kl_part
+    value = kl_total.sum() * kl_scale
     if not compute_grad:
         return value, q_idx.new_empty((0,)), k_idx.new_empty((0,))
     out_scale = float(index_scale) * float(kl_scale) / _DZ_SCALE
@@ -309,7 +324,7 @@ def dense_kl_loss_gluon(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: 
             compute_grad)
     if q.shape[0] == 0:
         return dense_kl_loss(*args)
-    finite = torch.stack([torch.isfinite(x).all() for x in (q, k, lse, q_idx, k_idx)]).all()
-    if not bool(finite):
+    # one fp32 sum per tensor, no temporary of its size (isfinite would make ~5 bytes/element)
+    if bool(nonfinite_flag(q, k, lse, q_idx, k_idx)):
         return dense_kl_loss(*args)
     return dense_kl_chunked(*args, pass_a=pass_a_gluon)

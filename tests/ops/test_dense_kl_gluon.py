@@ -142,7 +142,8 @@ def test_pass_b_matches_torch():
     upcast, ieee = dkg.dot_flags(q_idx.dtype)
     dkg._dk_pass_kernel[(2, hi, segs)](dz, q_idx, n_lo, n_hi, m_lo, m_hi, part, tq, tq_pad, cols,
                                        ch_lo, q_idx.stride(0), q_idx.stride(1), HI=hi, DI=di,
-                                       BM=bm, BN=bn, UPCAST=upcast, IEEE=ieee)
+                                       BM=bm, BN=bn, UPCAST=upcast, IEEE=ieee, ALIGN=1,
+                                       RANGE_CHECK=True)
     dk = part.sum(0)
     for nn in range(2):
         n = ch_lo + nn

@@ -117,6 +117,25 @@ def stage_options(dtype: torch.dtype) -> dict:
     return {} if dtype.itemsize <= 2 else {"num_stages": 1}
 
 
+def launch_options(caller: str, dtype: torch.dtype | None, tiles: dict, num_warps: int,
+                   num_stages: int | None) -> dict:
+    """``num_warps`` / ``num_stages`` launch options of a kernel with the tile sizes ``tiles``
+    (``{"bm": 64, ...}``) for inputs of ``dtype``; ``num_stages=None``: :func:`stage_options`'s
+    choice (Triton's default when ``dtype`` is None). ValueError naming the argument unless each
+    tile is a power of two >= 16, ``num_warps`` a power of two in 1..16 and ``num_stages`` None
+    or >= 1."""
+    for name, v in tiles.items():
+        if not isinstance(v, int) or v < 16 or v & (v - 1):
+            raise ValueError(f"{caller}: {name} must be a power of two >= 16, got {v!r}")
+    if not isinstance(num_warps, int) or not 1 <= num_warps <= 16 or num_warps & (num_warps - 1):
+        raise ValueError(f"{caller}: num_warps must be a power of two in 1..16, got {num_warps!r}")
+    if num_stages is None:
+        return {"num_warps": num_warps, **(stage_options(dtype) if dtype is not None else {})}
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"{caller}: num_stages must be None or an int >= 1, got {num_stages!r}")
+    return {"num_warps": num_warps, "num_stages": num_stages}
+
+
 def next_pow2(n: int) -> int:
     """Smallest power of two >= ``n`` (>= 1)."""
     return triton.next_power_of_2(max(int(n), 1))

@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    dot_flags, interpreting, mma, stage_options, student_row_stats, support_mask, tile_rows,
+    dot_flags, interpreting, launch_options, mma, student_row_stats, support_mask, tile_rows,
 )
 from ._isolation import launch_both, log_sum_exp, nonfinite, nonfinite_flag, skip, support_mma
 
@@ -268,10 +268,15 @@ def _query_tile_ranges(q_pos: torch.Tensor, q_kbase: torch.Tensor, Tk: int, bm: 
 
 
 def student_lse(q_idx: torch.Tensor, k_idx: torch.Tensor, q_pos: torch.Tensor,
-                q_kbase: torch.Tensor, index_scale: float, bm: int, bn: int) -> torch.Tensor:
+                q_kbase: torch.Tensor, index_scale: float, bm: int, bn: int, num_warps: int = 4,
+                num_stages: int | None = None) -> torch.Tensor:
     """``lse_z [Tq, Hi]`` fp32 (natural log): the student's log-normaliser over each causal row
-    (:func:`_lse_z_kernel`, query tiles of ``bm`` rows, key tiles of ``bn``); q_idx
-    ``[Tq, Hi, Di]`` and k_idx ``[Tk, Hik, Di]`` with unit last stride."""
+    (:func:`_lse_z_kernel`, query tiles of ``bm`` rows, key tiles of ``bn``, ``num_warps`` warps,
+    ``num_stages`` pipeline stages: None for :func:`._common.stage_options`'s); q_idx
+    ``[Tq, Hi, Di]`` and k_idx ``[Tk, Hik, Di]`` with unit last stride. The launch options
+    change only the order of the row sums (results agree to rounding)."""
+    options = launch_options("student_lse", q_idx.dtype, {"bm": bm, "bn": bn}, num_warps,
+                             num_stages)
     Tq, Hi, Di = q_idx.shape
     Tk, Hik = k_idx.shape[0], k_idx.shape[1]
     upcast, ieee = dot_flags(q_idx.dtype)
@@ -279,8 +284,7 @@ def student_lse(q_idx: torch.Tensor, k_idx: torch.Tensor, q_pos: torch.Tensor,
     _lse_z_kernel[(triton.cdiv(Tq, bm), Hi)](
         q_idx, k_idx, q_pos, q_kbase, lse_z, Tq, Tk, float(index_scale),
         q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), k_idx.stride(1), lse_z.stride(0),
-        HPK=Hi // Hik, DI=Di, BM=bm, BN=bn, UPCAST=upcast, IEEE=ieee, num_warps=4,
-        **stage_options(q_idx.dtype),
+        HPK=Hi // Hik, DI=Di, BM=bm, BN=bn, UPCAST=upcast, IEEE=ieee, **options,
     )
     return lse_z
 

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import dot_flags, interpreting, mma
+from ._common import dot_flags, interpreting, launch_options, mma
 from ._isolation import nonfinite_flag
 from .dense_kl import _DZ_SCALE, _LOG2E, dense_kl_loss, student_lse, tile_key_bounds
 
@@ -46,8 +46,22 @@ _MAX_HPI = 16
 # 128, Hq / Hi 4 and 16, Hi / Hkv 1, 2 and 4, Hik 1 and 2, packed documents; not Tq != Tk, the
 # CP layout); False: all the kernel is written for
 _VERIFIED_ONLY = True
-# pass B programs aimed at per chunk (its query tiles split into segments to reach it)
-_PASS_B_PROGRAMS = 528
+# The launches of the two plain-Triton kernels, read at each call (a tuning run may set them:
+# benchmarks/tune_dense_kl_aux.py). lse_z: (BM, BN, num_warps, num_stages or None for Triton's).
+LSE_Z_TILES = (64, 64, 4, None)
+_LSE_Z_DEFAULT = LSE_Z_TILES
+# (under the interpreter while LSE_Z_TILES is the default: small tiles, CPU time)
+_LSE_Z_INTERPRETED = (16, 16, 4, None)
+# pass B: programs aimed at per chunk (its query tiles split into segments to reach it); warps
+# (None: 8 for tiles of 64 x 128 or more, else 4); stages (None: Triton's); ALIGN: the chunk
+# width is passed as a multiple of this (1: no hint; 16 lets the dz loads be 16-byte vectors);
+# RANGE_CHECK: re-test n_lo[m] <= n < n_hi[m] per query tile (always true in [m_lo, m_hi): the
+# ranges are monotone; the branch keeps the loads out of Triton's software pipeline)
+PASS_B_PROGRAMS = 528
+PASS_B_WARPS = None
+PASS_B_STAGES = None
+PASS_B_ALIGN = 1
+PASS_B_RANGE_CHECK = True
 
 
 def gluon_kl_supported(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor,
@@ -133,11 +147,15 @@ def chunk_columns(Hi: int, Tq: int, Tk: int, itemsize: int, budget: int, bn: int
 @triton.jit(do_not_specialize=("Tq", "Tq_pad", "C", "ch_lo"))
 def _dk_pass_kernel(dz_ptr, qi_ptr, nlo_ptr, nhi_ptr, mlo_ptr, mhi_ptr, dkpart_ptr, Tq, Tq_pad,
                     C, ch_lo, s_it, s_ih, HI: tl.constexpr, DI: tl.constexpr, BM: tl.constexpr,
-                    BN: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                    BN: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                    ALIGN: tl.constexpr, RANGE_CHECK: tl.constexpr):
     """Pass B: program (key tile ``ch_lo + program_id(0)``, index head ``i``, segment ``sg`` of
     ``num_programs(2)``): ``part[sg, i, u - c0] = sum_t dz_buf[i, t, u - c0] q_idx[t, i]`` over
     the ``sg``-th equal share of the query tiles that pass A gave this key tile (fp32, in
-    query-tile order; the segments are summed in order by the host)."""
+    query-tile order; the segments are summed in order by the host). ``C`` is a multiple of
+    ``ALIGN``; ``RANGE_CHECK``: skip query tiles outside ``[n_lo[m], n_hi[m])`` (none are)."""
+    if ALIGN > 1:
+        C = C // ALIGN * ALIGN  # the same value, known to the compiler as a multiple of ALIGN
     nn = tl.program_id(0)
     i = tl.program_id(1)
     sg = tl.program_id(2)
@@ -150,7 +168,7 @@ def _dk_pass_kernel(dz_ptr, qi_ptr, nlo_ptr, nhi_ptr, mlo_ptr, mhi_ptr, dkpart_p
     share = tl.cdiv(m_hi - m_lo, tl.num_programs(2))
     m_end = tl.minimum(m_lo + (sg + 1) * share, m_hi)
     for m in range(m_lo + sg * share, m_end):
-        if (tl.load(nlo_ptr + m) <= n) & (n < tl.load(nhi_ptr + m)):
+        if (not RANGE_CHECK) or ((tl.load(nlo_ptr + m) <= n) & (n < tl.load(nhi_ptr + m))):
             t = m * BM + tl.arange(0, BM)
             valid = t < Tq
             rows = (i * Tq_pad + t).to(tl.int64)
@@ -161,6 +179,53 @@ def _dk_pass_kernel(dz_ptr, qi_ptr, nlo_ptr, nhi_ptr, mlo_ptr, mhi_ptr, dkpart_p
             acc += mma(tl.trans(dz), qi, UPCAST, IEEE)
     part = (sg * HI + i).to(tl.int64) * C
     tl.store(dkpart_ptr + (part + cols[:, None]) * DI + di[None, :], acc)
+
+
+def pass_b_segments(n_m: int, key_tiles: int, Hi: int, programs: int) -> int:
+    """Query-tile segments of one pass-B launch: enough that ``key_tiles * Hi * segments``
+    reaches ``programs`` (at least 1, at most the ``n_m`` query tiles)."""
+    return max(1, min(n_m, triton.cdiv(programs, key_tiles * Hi)))
+
+
+def pass_b(dz_buf: torch.Tensor, q_idx: torch.Tensor, ranges: tuple, dk_part: torch.Tensor,
+           Tq: int, ch_lo: int, ch_hi: int, bm: int, bn: int, programs: int | None = None,
+           num_warps: int | None = None, num_stages: int | None = None,
+           align: int | None = None, range_check: bool | None = None) -> None:
+    """Pass B of the chunk of key tiles ``[ch_lo, ch_hi)``: ``dk_part[i, u] = sum_t
+    dz_buf[i, t, u - ch_lo bn] q_idx[t, i]`` (:func:`_dk_pass_kernel`, then its segments added
+    in order) for the chunk's key columns ``u``.
+
+    dz_buf ``[Hi, Tq_pad, C]`` (``C`` a multiple of ``bn``), q_idx ``[Tq, Hi, Di]`` (unit last
+    stride), ranges ``(n_lo, n_hi, m_lo, m_hi)`` of :func:`key_tile_ranges`, dk_part
+    ``[Hi, >= ch_hi bn, Di]`` fp32. The launch options default to the module's ``PASS_B_*``
+    constants (read at each call); ``programs`` changes the order of the sums, the others do
+    not change the result."""
+    programs = PASS_B_PROGRAMS if programs is None else programs
+    num_warps = PASS_B_WARPS if num_warps is None else num_warps
+    num_stages = PASS_B_STAGES if num_stages is None else num_stages
+    align = PASS_B_ALIGN if align is None else align
+    range_check = PASS_B_RANGE_CHECK if range_check is None else range_check
+    Hi, Tq_pad, cols = dz_buf.shape
+    Di = q_idx.shape[2]
+    if num_warps is None:
+        num_warps = 8 if bm * bn >= 64 * 128 else 4
+    options = launch_options("pass_b", None, {"bm": bm, "bn": bn}, num_warps, num_stages)
+    if not isinstance(programs, int) or programs < 1:
+        raise ValueError(f"pass_b: programs must be an int >= 1, got {programs!r}")
+    if not isinstance(align, int) or align < 1 or cols % align:
+        raise ValueError(f"pass_b: align must be an int >= 1 dividing the chunk width {cols}, "
+                         f"got {align!r}")
+    n_lo, n_hi, m_lo, m_hi = ranges
+    segs = pass_b_segments(len(n_lo), ch_hi - ch_lo, Hi, programs)
+    part = torch.empty((segs, Hi, cols, Di), dtype=torch.float32, device=dz_buf.device)
+    upcast, ieee = dot_flags(q_idx.dtype)
+    _dk_pass_kernel[(ch_hi - ch_lo, Hi, segs)](
+        dz_buf, q_idx, n_lo, n_hi, m_lo, m_hi, part, Tq, Tq_pad, cols, ch_lo,
+        q_idx.stride(0), q_idx.stride(1), HI=Hi, DI=Di, BM=bm, BN=bn, UPCAST=upcast,
+        IEEE=ieee, ALIGN=align, RANGE_CHECK=bool(range_check), **options,
+    )
+    width = (ch_hi - ch_lo) * bn
+    dk_part[:, ch_lo * bn:ch_lo * bn + width] = part[:, :, :width].sum(0)
 
 
 class _Launch:
@@ -245,10 +310,12 @@ def dense_kl_chunked(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: flo
                      pass_a: Callable[[_Launch], None], bm: int = BLOCK_M, bn: int = BLOCK_N,
                      budget: int = DZ_BUDGET_BYTES, dz_fill: float | None = None) -> tuple:
     """The key-chunk orchestration (module docstring) with pass A swappable
-    (:func:`pass_a_gluon` on the GPU, :func:`pass_a_torch` in CPU tests); pass B and ``lse_z``
-    are the Triton kernels. Arguments and result as :func:`.dense_kl.dense_kl_loss`; ``bm``,
-    ``bn``: pass A's tiles (pass B's too); ``budget``: bytes of the ``dz`` buffer;
-    ``dz_fill``: fill the buffer with this value first (tests: unwritten tiles show)."""
+    (:func:`pass_a_gluon` on the GPU, :func:`pass_a_torch` in CPU tests); pass B
+    (:func:`pass_b`, launched as the ``PASS_B_*`` constants say) and ``lse_z``
+    (:func:`.dense_kl.student_lse` with :data:`LSE_Z_TILES`) are the Triton kernels. Arguments
+    and result as :func:`.dense_kl.dense_kl_loss`; ``bm``, ``bn``: pass A's tiles (pass B's
+    too); ``budget``: bytes of the ``dz`` buffer; ``dz_fill``: fill the buffer with this value
+    first (tests: unwritten tiles show)."""
     Tq, Hq, D = q.shape
     Tk, Hkv, _ = k.shape
     Hi, Di = q_idx.shape[1], q_idx.shape[2]
@@ -257,9 +324,11 @@ def dense_kl_chunked(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: flo
     q, k, q_idx, k_idx = (x.contiguous() if x.contiguous().data_ptr() % 16 == 0
                           else x.contiguous().clone() for x in (q, k, q_idx, k_idx))
     lse = lse.float().contiguous()
-    lse_bm, lse_bn = (16, 16) if interpreting() else (64, 64)
-    lse_z = student_lse(q_idx, k_idx, q_pos, q_kbase, index_scale, lse_bm, lse_bn)
-    n_lo, n_hi, m_lo, m_hi = key_tile_ranges(q_pos, q_kbase, Tk, bm, bn)
+    lse_tiles = (_LSE_Z_INTERPRETED if interpreting() and LSE_Z_TILES == _LSE_Z_DEFAULT
+                 else LSE_Z_TILES)
+    lse_z = student_lse(q_idx, k_idx, q_pos, q_kbase, index_scale, *lse_tiles)
+    ranges = key_tile_ranges(q_pos, q_kbase, Tk, bm, bn)
+    n_lo, n_hi = ranges[:2]
     n_m, n_k = triton.cdiv(Tq, bm), triton.cdiv(Tk, bn)
     Tq_pad = n_m * bm
     cols = chunk_columns(Hi, Tq_pad, Tk, q.element_size(), budget, bn) if compute_grad \
@@ -280,7 +349,6 @@ def dense_kl_chunked(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: flo
         dz_buf = torch.empty((1, bm, bn), dtype=q.dtype, device=dev)  # unused (descriptor)
     # the head mean folded into the exponent: lse log2e + log2 G, [Hq, Tq]
     lse2 = (lse * _LOG2E + math.log2(Hq // Hi)).t().contiguous()
-    upcast, ieee = dot_flags(q.dtype)
     for c0 in chunks:
         ch_lo, ch_hi = c0 // bn, min((c0 + cols) // bn, n_k)
         kl_part.zero_()  # programs with no key tile in the chunk add nothing
@@ -291,16 +359,7 @@ def dense_kl_chunked(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: flo
                        scale2=float(softmax_scale) * _LOG2E, iscale=float(index_scale),
                        grad=compute_grad))
         if compute_grad:
-            # segments of the query tiles: enough programs to fill the GPU (fixed by the shapes)
-            segs = max(1, min(n_m, triton.cdiv(_PASS_B_PROGRAMS, (ch_hi - ch_lo) * Hi)))
-            part = torch.empty((segs, Hi, cols, Di), dtype=torch.float32, device=dev)
-            _dk_pass_kernel[(ch_hi - ch_lo, Hi, segs)](
-                dz_buf, q_idx, n_lo, n_hi, m_lo, m_hi, part, Tq, Tq_pad, cols, ch_lo,
-                q_idx.stride(0), q_idx.stride(1), HI=Hi, DI=Di, BM=bm, BN=bn, UPCAST=upcast,
-                IEEE=ieee, num_warps=8 if bm * bn >= 64 * 128 else 4,
-            )
-            width = (ch_hi - ch_lo) * bn
-            dk_part[:, ch_lo * bn:ch_lo * bn + width] = part[:, :, :width].sum(0)
+            pass_b(dz_buf, q_idx, ranges, dk_part, Tq, ch_lo, ch_hi, bm, bn)
         kl_total += kl_part
     value = kl_total.sum() * kl_scale
     if not compute_grad:

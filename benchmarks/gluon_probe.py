@@ -743,7 +743,23 @@ KL_CHECKS_WIDE = {
     "hik2_bf16": ([4096], (64, 4, 4, 2), torch.bfloat16, None),
     "hkv1_bf16": ([1000, 37, 3059], (16, 1, 4, 1), torch.bfloat16, None),
 }
-KL_REFERENCE = ("hpi4_bf16",)  # float64 oracle too (Hq 16: affordable at 4096 tokens)
+# the context-parallel (CP) layout, which dense_kl_gluon.shape_support keeps on the Triton pass
+# until these pass (``--kl-child check_cp OUT``): one CP rank's query rows (megatron-core's
+# load-balanced split, msa_megatron.parallel.cp_layout: chunks r and 2 CP - 1 - r of every
+# document) against the keys of all tokens, per-row positions and key bases from build_cp_layout.
+# The sixth field is (cp_size, cp_rank); document lengths are multiples of 2 CP, as megatron-core
+# pads THD sequences for CP ([1000, 37, 3059] padded for CP 2: [1000, 40, 3060])
+KL_CHECKS_CP = {
+    "cp2_r0_bf16": ([4096], (64, 4, 4, 1), torch.bfloat16, None, HEAD_DIM, (2, 0)),
+    "cp2_r1_bf16": ([4096], (64, 4, 4, 1), torch.bfloat16, None, HEAD_DIM, (2, 1)),
+    "cp2_r1_packed_bf16": ([1000, 40, 3060], (64, 4, 4, 1), torch.bfloat16, None, HEAD_DIM,
+                           (2, 1)),
+    "cp4_r2_bf16": ([4096], (64, 4, 4, 1), torch.bfloat16, None, HEAD_DIM, (4, 2)),
+    "cp2_r1_chunks_bf16": ([4096], (64, 4, 4, 1), torch.bfloat16, 8 << 20, HEAD_DIM, (2, 1)),
+    "cp2_r1_hpi4_bf16": ([4096], (16, 4, 4, 1), torch.bfloat16, None, HEAD_DIM, (2, 1)),
+}
+# float64 oracle too (Hq 16: affordable at 4096 tokens)
+KL_REFERENCE = ("hpi4_bf16", "cp2_r1_hpi4_bf16")
 KL_TOKENS = (32768, 131072)
 
 
@@ -780,11 +796,19 @@ def compile_kl_sm90(name: str) -> dict:
     return _compiled(name, source, {"num_warps": kern.WARPS}, bm, bn)
 
 
-def _kl_inputs(lens, heads, dtype, device, seed=0, dim=HEAD_DIM):
+def _kl_inputs(lens, heads, dtype, device, seed=0, dim=HEAD_DIM, cp=None):
     """Dense-KL inputs: random normal q, k, q_idx, k_idx of ``heads = (Hq, Hkv, Hi, Hik)`` (D =
-    Di = 128), packed documents of ``lens``, the main LSE (fp32 math, chunked; above 8192
-    tokens in one document that of torch's flash attention forward)."""
+    Di = ``dim``), packed documents of ``lens``, the main LSE of each query row against its keys
+    (fp32 math, chunked; above 8192 tokens in one document that of torch's flash attention
+    forward).
+
+    ``cp = (cp_size, cp_rank)``: the view of one context-parallel rank instead (megatron-core's
+    load-balanced layout, :func:`msa_megatron.parallel.cp_layout.build_cp_layout`; each length a
+    multiple of ``2 cp_size``): q and q_idx are the rank's rows of the whole problem's, k and
+    k_idx all tokens in global order (the gathered keys), q_pos / q_kbase the rows' positions in
+    their document and the global row of its start."""
     from msa_megatron.layout import query_layout
+    from msa_megatron.parallel.cp_layout import build_cp_layout
 
     hq, hkv, hi, hik = heads
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -795,21 +819,27 @@ def _kl_inputs(lens, heads, dtype, device, seed=0, dim=HEAD_DIM):
     q, k, q_idx, k_idx = (torch.randn(tokens, h, dim, device=device, generator=gen).to(dtype)
                           for h in (hq, hkv, hi, hik))
     kk = k.repeat_interleave(hq // hkv, dim=1)
-    if len(lens) == 1 and tokens > 8192:  # timing sizes: the LSE of torch's flash forward
+    if cp is not None:
+        layout = build_cp_layout(cu, cp[0], cp[1], 1, device)
+        q, q_idx = q[layout.local_rows], q_idx[layout.local_rows]
+        q_pos, q_kbase = layout.q_pos, layout.q_kbase
+    elif len(lens) == 1 and tokens > 8192:  # timing sizes: the LSE of torch's flash forward
         qt, kt = q.transpose(0, 1)[None], kk.transpose(0, 1)[None]
         lse = torch.ops.aten._scaled_dot_product_flash_attention(
-            qt, kt, kt, 0.0, True, False, scale=HEAD_DIM ** -0.5)[1]
+            qt, kt, kt, 0.0, True, False, scale=dim ** -0.5)[1]
         return q, k, lse[0].t().float().contiguous(), q_idx, k_idx, q_pos.contiguous(), \
             q_kbase.contiguous()
-    lse = torch.empty(tokens, hq, dtype=torch.float32, device=device)
+    rows = q.shape[0]
+    lse = torch.empty(rows, hq, dtype=torch.float32, device=device)
     keys = torch.arange(tokens, device=device)
-    for r0 in range(0, tokens, 1024):
-        r1 = min(r0 + 1024, tokens)
+    for r0 in range(0, rows, 1024):
+        r1 = min(r0 + 1024, rows)
         s = torch.einsum("rhd,uhd->rhu", q[r0:r1].float(), kk.float()) * dim ** -0.5
         lo, last = q_kbase[r0:r1].long(), (q_kbase[r0:r1] + q_pos[r0:r1]).long()
         out = (keys[None] < lo[:, None]) | (keys[None] > last[:, None])
         lse[r0:r1] = torch.logsumexp(s.masked_fill(out[:, None], -math.inf), dim=2)
-    return q, k, lse, q_idx, k_idx, q_pos.contiguous(), q_kbase.contiguous()
+    return q.contiguous(), k, lse, q_idx.contiguous(), k_idx, q_pos.contiguous(), \
+        q_kbase.contiguous()
 
 
 def _kl_errors(got, want) -> dict:
@@ -822,8 +852,12 @@ def _kl_errors(got, want) -> dict:
 def run_kl_check(path: str, device: str = "cuda", checks=None, pass_a=None) -> dict:
     """``--kl-child check``: each :data:`KL_CHECKS` case, Gluon against the plain Triton dense
     KL (and the float64 oracle for :data:`KL_REFERENCE`), a bitwise repeat; the entry rewritten
-    to ``path`` after each case (a crash keeps the rows so far). ``device``, ``checks``
-    (default :data:`KL_CHECKS`) and ``pass_a`` (default the Gluon one): for a CPU dry run."""
+    to ``path`` after each case (a crash keeps the rows so far). ``checks``: a dict of cases
+    ``name: (lens, heads, dtype, budget[, dim[, (cp_size, cp_rank)]])`` (default
+    :data:`KL_CHECKS`; :data:`KL_CHECKS_WIDE`, :data:`KL_CHECKS_CP`); ``device`` and ``pass_a``
+    (default the Gluon one): for a CPU dry run (:func:`.dense_kl_gluon.pass_a_torch`). The
+    comparison runs whatever ``gluon_kl_supported`` says (its answer is in the row): the check
+    exists to run shapes it does not allow yet."""
     from msa_megatron import reference as ref
     from msa_megatron.ops.triton import dense_kl_gluon as dkg
     from msa_megatron.ops.triton.dense_kl import dense_kl_loss
@@ -831,13 +865,17 @@ def run_kl_check(path: str, device: str = "cuda", checks=None, pass_a=None) -> d
     device = torch.device(device)
     pass_a = pass_a or dkg.pass_a_gluon
     entry = {}
-    for name, (lens, heads, dtype, budget, *dim) in (checks or KL_CHECKS).items():
-        x = _kl_inputs(lens, heads, dtype, device, dim=dim[0] if dim else HEAD_DIM)
-        dim = x[0].shape[2]
+    for name, (lens, heads, dtype, budget, *more) in (checks or KL_CHECKS).items():
+        dim = more[0] if more else HEAD_DIM
+        cp = more[1] if len(more) > 1 else None
+        x = _kl_inputs(lens, heads, dtype, device, dim=dim, cp=cp)
         scales = (dim ** -0.5, dim ** -0.5, 1.0, True)
         ok, why = dkg.gluon_kl_supported(x[0], x[1], x[3], x[4])
         row = {"lens": lens, "heads": heads, "dtype": str(dtype), "budget": budget,
                "supported": ok, "why": why}
+        if cp is not None:
+            row.update(cp_size=cp[0], cp_rank=cp[1], query_rows=x[0].shape[0],
+                       key_rows=x[1].shape[0])
         entry[name] = row
         kw = {} if budget is None else {"budget": budget}
         got = dkg.dense_kl_chunked(*x, *scales, pass_a=pass_a, **kw)
@@ -933,6 +971,8 @@ def run_kl_child(child: str, path: str, token_counts) -> int:
         run_kl_check(path)
     elif child == "check_wide":
         run_kl_check(path, checks=KL_CHECKS_WIDE)
+    elif child == "check_cp":
+        run_kl_check(path, checks=KL_CHECKS_CP)
     else:
         run_kl_time(child.split("_", 1)[1], path, token_counts)
     return 0
@@ -945,8 +985,8 @@ def main(argv=None) -> int:
     if argv[:1] in (["kl"], ["--kl-child"]):
         parser = argparse.ArgumentParser(description="dense KL: Gluon vs Triton (GPU)")
         if argv[0] == "--kl-child":
-            parser.add_argument("child", choices=("check", "check_wide", "time_triton",
-                                                  "time_gluon"))
+            parser.add_argument("child", choices=("check", "check_wide", "check_cp",
+                                                  "time_triton", "time_gluon"))
         parser.add_argument("out", help="JSON file to write")
         parser.add_argument("--tokens", type=int, nargs="+", default=list(KL_TOKENS))
         parser.add_argument("--timeout", type=float, default=180.0,

@@ -236,3 +236,93 @@ def test_run_impl_checks_then_times(probe, monkeypatch):
     assert entry["errors"]["rel_norm"] < 1e-5, entry
     assert timed == [(40, 1, 16), (70, 1, 16)]
     assert entry["times"]["70"] == {"ms": 4.0, "tflops": probe.flops(70) / 4.0 / 1e9}
+
+
+def _brute_lse(q, k, q_pos, q_kbase):
+    """``[Tq, Hq]`` float64 LSE of each query row against its keys, one row at a time."""
+    hq, dim = q.shape[1], q.shape[2]
+    kk = k.double().repeat_interleave(hq // k.shape[1], dim=1)
+    out = torch.empty(q.shape[:2], dtype=torch.float64)
+    for t in range(q.shape[0]):
+        lo, last = int(q_kbase[t]), int(q_kbase[t] + q_pos[t])
+        s = torch.einsum("hd,uhd->hu", q[t].double(), kk[lo:last + 1]) * dim ** -0.5
+        out[t] = torch.logsumexp(s, dim=1)
+    return out
+
+
+@pytest.mark.parametrize("lens,cp", [([64], (2, 0)), ([64], (2, 1)), ([24, 8, 0, 32], (4, 2))])
+def test_kl_inputs_cp_view_is_a_rank_of_the_whole_problem(probe, lens, cp):
+    """``_kl_inputs(cp=(size, rank))``: the rank's rows (megatron-core's load-balanced split,
+    build_cp_layout) of the same problem as ``cp=None``, all keys, and each row's LSE against
+    its own keys (its global position and document start)."""
+    from msa_megatron.parallel.cp_layout import build_cp_layout
+
+    heads, dim = (8, 2, 2, 1), 16
+    whole = probe._kl_inputs(lens, heads, torch.float32, torch.device("cpu"), dim=dim)
+    view = probe._kl_inputs(lens, heads, torch.float32, torch.device("cpu"), dim=dim, cp=cp)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    rows = build_cp_layout(cu, cp[0], cp[1], 1, torch.device("cpu")).local_rows
+    assert view[0].shape[0] * cp[0] == sum(lens) == view[1].shape[0]
+    q, k, lse, q_idx, k_idx, q_pos, q_kbase = view
+    for got, want in ((q, whole[0][rows]), (k, whole[1]), (lse, whole[2][rows]),
+                      (q_idx, whole[3][rows]), (k_idx, whole[4]), (q_pos, whole[5][rows]),
+                      (q_kbase, whole[6][rows])):
+        assert torch.equal(got, want)
+    torch.testing.assert_close(lse.double(), _brute_lse(q, k, q_pos, q_kbase), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_kl_checks_cp_are_cp_ranks_of_padded_documents(probe):
+    """Every KL_CHECKS_CP case is a valid rank of megatron-core's CP layout (lengths multiples
+    of 2 CP), at the paper heads in bf16 unless its name says otherwise; the oracle names exist."""
+    from msa_megatron.parallel.cp_layout import build_cp_layout
+
+    seen = set()
+    for name, (lens, heads, dtype, budget, dim, cp) in probe.KL_CHECKS_CP.items():
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        layout = build_cp_layout(cu, cp[0], cp[1], 1, torch.device("cpu"))
+        assert layout.total_local * cp[0] == sum(lens) in (4096, 4100), name
+        assert dtype == torch.bfloat16 and dim == probe.HEAD_DIM, name
+        assert heads == (64, 4, 4, 1) or "hpi4" in name, name
+        seen.add((tuple(lens), cp))
+    assert {((4096,), (2, 0)), ((4096,), (2, 1)), ((1000, 40, 3060), (2, 1)),
+            ((4096,), (4, 2))} <= seen
+    everything = {**probe.KL_CHECKS, **probe.KL_CHECKS_WIDE, **probe.KL_CHECKS_CP}
+    assert set(probe.KL_REFERENCE) <= set(everything)
+
+
+def test_kl_check_cp_dry_run_on_cpu(probe, tmp_path):
+    """``run_kl_check`` on the CP cases' layouts, scaled down (1/32 of the tokens, Hq 8, D 32,
+    fp16: the interpreter's bf16 differs from pass A's by the dz rounding), with the torch pass
+    A: the rows say the Gluon path is off on the CPU and record the comparison anyway."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1")
+    from msa_megatron.ops.triton import dense_kl_gluon as dkg
+
+    small = {}
+    for name, (lens, heads, dtype, budget, dim, cp) in probe.KL_CHECKS_CP.items():
+        step = 2 * cp[0]
+        lens = [max(step, n // 32 // step * step) for n in lens]
+        small[name] = (lens, (8, 2, 2, 1), torch.float16, None if budget is None else 1, 32, cp)
+    path = tmp_path / "cp.json"
+    entry = probe.run_kl_check(str(path), device="cpu", checks=small, pass_a=dkg.pass_a_torch)
+    assert json.loads(path.read_text()) == json.loads(json.dumps(entry))
+    assert set(entry) == set(small)
+    for name, row in entry.items():
+        cp = small[name][5]
+        assert (row["cp_size"], row["cp_rank"]) == cp, name
+        assert row["query_rows"] * cp[0] == row["key_rows"] == sum(small[name][0]), name
+        assert not row["supported"] and "CUDA" in row["why"], name
+        assert row["bitwise_repeat"] and row["finite"], name
+        assert max(row["vs_triton"].values()) < 1e-4, (name, row["vs_triton"])
+    oracle = entry["cp2_r1_hpi4_bf16"]
+    assert max(oracle["gluon_vs_float64"].values()) < 1e-2, oracle
+
+
+def test_kl_child_check_cp_runs_the_cp_cases(probe, tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(probe, "run_kl_check", lambda path, checks=None: seen.append(checks))
+    assert probe.run_kl_child("check_cp", str(tmp_path / "x.json"), []) == 0
+    assert seen == [probe.KL_CHECKS_CP]
+    monkeypatch.setattr(probe.torch.cuda, "is_available", lambda: False)
+    assert probe.main(["--kl-child", "check_cp", str(tmp_path / "x.json")]) == 2

@@ -20,6 +20,8 @@ import pytest  # noqa: E402
 from msa_megatron import reference as ref  # noqa: E402
 from msa_megatron.layout import query_layout  # noqa: E402
 from msa_megatron.ops.triton import dense_kl_gluon as dkg  # noqa: E402
+from msa_megatron.ops.triton.dense_kl import dense_kl_loss  # noqa: E402
+from msa_megatron.parallel.cp_layout import build_cp_layout  # noqa: E402
 from tests.support.inputs import rel_err  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -47,6 +49,18 @@ def _case(lens, heads, dims=(16, 16), dtype=torch.float32, seed=0):
     x = [torch.randn(*s, generator=gen, dtype=torch.float64).to(dtype)
          for s in ((t, hq, d), (t, hkv, d), (t, hi, di), (t, hik, di))]
     return (*x, q_pos.contiguous(), q_kbase.contiguous())
+
+
+def _cp_case(lens, heads, cp_size, cp_rank, dims=(16, 16), dtype=torch.float32, seed=0):
+    """One context-parallel rank's view of :func:`_case`'s problem (megatron-core's
+    load-balanced split, :func:`build_cp_layout`): the rank's query rows against all keys, with
+    their positions in their document and the global row of its start."""
+    q, k, q_idx, k_idx, _, _ = _case(lens, heads, dims, dtype, seed)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    layout = build_cp_layout(cu, cp_size, cp_rank, 1, torch.device("cpu"))
+    rows = layout.local_rows
+    return (q[rows].contiguous(), k, q_idx[rows].contiguous(), k_idx, layout.q_pos.contiguous(),
+            layout.q_kbase.contiguous())
 
 
 def _oracle(q, k, q_idx, k_idx, q_pos, q_kbase, kl_scale):
@@ -88,6 +102,58 @@ def test_orchestration_matches_the_oracle(name, budget):
     for label, a, b in zip(("dq_idx", "dk_idx"), got[1:], want[1:]):
         assert a.shape == b.shape, label
         assert rel_err(a, b) < 1e-4, label
+
+
+CP_CASES = {  # lengths are multiples of 2 CP (megatron-core pads THD sequences for CP)
+    "cp2-r0": ([320], 2, 0),
+    "cp2-r1": ([320], 2, 1),
+    "cp4-r2": ([320], 4, 2),
+    "cp2-r1-packed": ([104, 8, 0, 296], 2, 1),
+    "cp4-r1-packed": ([104, 8, 0, 296], 4, 1),
+}
+
+
+@pytest.mark.parametrize("budget", [None, "small"], ids=["one-chunk", "chunks"])
+@pytest.mark.parametrize("name", list(CP_CASES))
+def test_cp_layout_matches_the_triton_pass_and_the_oracle(name, budget):
+    """The CP layout (fewer query rows than keys, each row's own key base and position): the
+    orchestration with the torch pass A equals dense_kl.dense_kl_loss (which the Gluon pass is
+    checked against on the GPU, gluon_probe --kl-child check_cp) and the float64 oracle, in one
+    key chunk and in one chunk per key tile."""
+    lens, cp_size, cp_rank = CP_CASES[name]
+    x = _cp_case(lens, (8, 2, 2, 1), cp_size, cp_rank, seed=len(name) + cp_rank)
+    assert x[0].shape[0] * cp_size == x[1].shape[0]
+    bm, bn = 16, 32
+    kw = dict(bm=bm, bn=bn, dz_fill=float("nan"))  # a tile pass B reads unwritten shows
+    if budget:  # one key tile per chunk
+        kw["budget"] = 2 * dkg.triton.cdiv(x[0].shape[0], bm) * bm * 4 * bn
+    got = _chunked(*x, kl_scale=0.3, **kw)
+    lse = _lse(x[0], x[1], x[4], x[5], x[0].shape[2] ** -0.5).float()
+    triton_pass = dense_kl_loss(x[0], x[1], lse, x[2], x[3], x[4], x[5], x[0].shape[2] ** -0.5,
+                                x[2].shape[2] ** -0.5, 0.3, True)
+    want = _oracle(*x, kl_scale=0.3)
+    for ref_name, other in (("triton", triton_pass), ("oracle", want)):
+        assert abs(got[0].item() - other[0].item()) <= 1e-4 * abs(other[0].item()) + 1e-6, \
+            ref_name
+        for label, a, b in zip(("dq_idx", "dk_idx"), got[1:], other[1:]):
+            assert a.shape == b.shape, (ref_name, label)
+            assert torch.isfinite(a).all(), (ref_name, label)
+            assert rel_err(a, b) < 1e-4, (ref_name, label)
+
+
+def test_cp_layout_in_fp16_with_head_dim_32():
+    """fp16 inputs (dz stored in fp16 as the kernel does), D = Di = 32, CP 4 rank 1 of packed
+    documents, several key chunks: within fp16 rounding of the Triton pass and the oracle."""
+    x = _cp_case([104, 8, 296], (8, 2, 2, 1), 4, 1, dims=(32, 32), dtype=torch.float16, seed=11)
+    got = _chunked(*x, kl_scale=1.0, bm=16, bn=32, budget=2 * 7 * 16 * 2 * 64)
+    lse = _lse(x[0], x[1], x[4], x[5], 32 ** -0.5).float()
+    triton_pass = dense_kl_loss(x[0], x[1], lse, x[2], x[3], x[4], x[5], 32 ** -0.5,
+                                32 ** -0.5, 1.0, True)
+    want = _oracle(*x, kl_scale=1.0)
+    for other, tol in ((triton_pass, 1e-4), (want, 1e-2)):
+        assert abs(got[0].item() - other[0].item()) <= tol * abs(other[0].item())
+        for a, b in zip(got[1:], other[1:]):
+            assert rel_err(a, b) < tol
 
 
 def test_fp16_and_the_default_tiles():

@@ -44,7 +44,8 @@ _HEAD_DIMS = (64, 128)
 _MAX_HPI = 16
 # only the layouts the H200 checks have run (results/dense_kl_gluon*_h200_s12.json: D, Di 64 and
 # 128, Hq / Hi 4 and 16, Hi / Hkv 1, 2 and 4, Hik 1 and 2, packed documents; not Tq != Tk, the
-# CP layout); False: all the kernel is written for
+# CP layout, whose check is written but not yet run: gluon_probe.py --kl-child check_cp,
+# KL_CHECKS_CP); False: all the kernel is written for
 _VERIFIED_ONLY = True
 # The launches of the two plain-Triton kernels, read at each call (a tuning run may set them:
 # benchmarks/tune_dense_kl_aux.py). lse_z: (BM, BN, num_warps, num_stages or None for Triton's).
@@ -71,7 +72,8 @@ def gluon_kl_supported(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor,
     fp16/bf16, ``D`` and ``Di`` in {64, 128}, ``Hq / Hi`` a power of two in 1..16, ``Hkv``
     and ``Hik`` dividing ``Hi``; while :data:`_VERIFIED_ONLY`, also only what the GPU checks
     have run: ``Hq / Hi`` 4 or 16, ``D = Di``, ``Hi / Hkv <= 4``, ``Hik <= 2``, ``Tq = Tk``
-    (not the CP layout). (Finiteness is checked by the call itself, which hands non-finite
+    (not the CP layout, until ``benchmarks/gluon_probe.py --kl-child check_cp`` has passed on
+    a GPU). (Finiteness is checked by the call itself, which hands non-finite
     inputs to :mod:`.dense_kl`.)"""
     if q.device.type != "cuda":
         return False, f"needs a CUDA device, inputs are on {q.device.type}"
@@ -105,7 +107,10 @@ def shape_support(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor,
     if not _VERIFIED_ONLY:
         return True, ""
     # what the H200 checks (benchmarks/gluon_probe.py kl, --kl-child check_wide) have run; the
-    # CP layout waits for a GPU check (benchmarks/NOTES.md, "Dense KL in Gluon")
+    # CP layout waits for its GPU check (benchmarks/gluon_probe.py --kl-child check_cp: one CP
+    # rank's rows of megatron-core's load-balanced split against all keys, KL_CHECKS_CP; the CPU
+    # dry run of the same orchestration: tests/ops/test_dense_kl_gluon.py, test_cp_layout_*).
+    # Drop the Tq != Tk test below only once that check has passed on the GPU.
     g = hq // hi
     if g not in (4, 16) or d != di:
         return False, (f"Hq / Hi in (4, 16) and D = Di only until others are checked on a GPU "

@@ -252,6 +252,43 @@ def test_non_finite_inputs_keep_our_kernels(fake_routes, monkeypatch, seed, tens
         assert_close(a.nan_to_num(), b.nan_to_num(), 1e-5, name)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("tensor", NAMES)
+def test_non_finite_inputs_never_reach_the_gluon_kl(fake_routes, monkeypatch, seed, tensor):
+    """Dense mode checks finiteness twice: the vendor route (ops/dense.py, q k v: a vendor
+    kernel would spread a NaN row) and the Gluon KL (dense_kl_gluon.py, q k lse q_idx k_idx: its
+    pass A has no NaN isolation). With the Gluon KL forced on (its pass A the torch stand-in)
+    a NaN in q, k, q_idx or k_idx never reaches pass A and the layer equals our kernels with the
+    Triton KL (MSA_SPEC 7); a NaN in v (which the KL does not read) keeps the Gluon KL."""
+    from msa_megatron.ops import triton as backend
+    from msa_megatron.ops.triton import dense_kl_gluon as dkg
+
+    x = _inputs(seed)
+    with torch.no_grad():
+        x[tensor][30, 1 % x[tensor].shape[1], 2] = float("nan")  # second sequence
+    monkeypatch.setenv(dense.BACKEND_ENV, "kernels")
+    monkeypatch.setenv(backend.DENSE_KL_ENV, "onepass")
+    ours = _run(x)
+    monkeypatch.delenv(dense.BACKEND_ENV)
+    monkeypatch.delenv(backend.DENSE_KL_ENV)
+    fake_routes()
+    seen = []
+
+    def pass_a(a):
+        seen.append(all(bool(torch.isfinite(t).all())
+                        for t in (a.q, a.k, a.lse2, a.q_idx, a.k_idx)))
+        dkg.pass_a_torch(a)
+
+    monkeypatch.setattr(dkg, "gluon_kl_supported", lambda *args: (True, ""))
+    monkeypatch.setattr(dkg, "pass_a_gluon", pass_a)
+    routed = _run(x)
+    assert all(seen), "a non-finite input reached the Gluon pass A"
+    assert bool(seen) == (tensor == "v"), seen
+    for name, a, b in zip(("out", "kl") + NAMES, routed, ours):
+        assert torch.equal(a.isnan(), b.isnan()), name
+        assert_close(a.nan_to_num(), b.nan_to_num(), 1e-4, name)
+
+
 def _autograd_reference(q, k, v, dout, cu, scale):
     """The same math as ``dense._math_reference``, by autograd (plain eager context)."""
     qf, kf, vf = (t.detach().double().requires_grad_() for t in (q, k, v))

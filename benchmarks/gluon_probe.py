@@ -67,7 +67,8 @@ LOG2E = 1.4426950408889634
 HEADS, INDEX_HEADS, HEAD_DIM, INDEX_DIM = 64, 4, 128, 128  # paper heads (Hkv == Hi)
 CHECK_TOKENS = 4096
 # the order of a GPU run: Gluon last
-IMPLS = ("triton", "gluon", "gluon_wg1", "gluon_bn128", "gluon_pp")
+IMPLS = ("triton", "gluon", "gluon_wg1", "gluon_bn128", "gluon_pp", "gluon_bn128_q2",
+         "gluon_bn128_k1q6")
 
 
 def _check_inputs(q, k, lse, k_idx, index_heads):
@@ -424,6 +425,12 @@ GLUON_VARIANTS = {
                     "acc_smem": True},
     # two consumer partitions (one warpgroup each, 64 rows each) that drift apart: ping-pong
     "gluon_pp": {"block_m": 128, "num_warps": 4, "ping_pong": True, "q_stages": 3},
+    # the Q ring's depth (session 13: is the head loop waiting on Q tiles' TMA latency?): two
+    # slots (one head of lead), and six slots with a single K / k_idx slot (same shared bytes)
+    "gluon_bn128_q2": {"block_m": 64, "num_warps": 4, "block_n": 128, "q_stages": 2,
+                       "acc_smem": True},
+    "gluon_bn128_k1q6": {"block_m": 64, "num_warps": 4, "block_n": 128, "q_stages": 6,
+                         "kv_stages": 1, "acc_smem": True},
 }
 
 

@@ -732,7 +732,8 @@ def run_compile(argv) -> int:
 
 
 # --- the fused dense KL (msa_megatron/ops/triton/dense_kl_gluon.py): sm_90 compile, GPU check ---
-KL_GROUPS = {"kl": 16, "kl_g4": 4, "kl_g1": 1}  # compile names: Hq / Hi of the kernel
+# compile names: Hq / Hi of the kernel; "kls": the split kernel (teacher and epilogue warpgroups)
+KL_GROUPS = {"kl": 16, "kl_g4": 4, "kl_g1": 1, "kls": 16, "kls_g4": 4, "kls_g1": 1}
 KL_CHECKS = {  # name: (document lengths, (Hq, Hkv, Hi, Hik), dtype, dz budget bytes or None)
     "one_bf16": ([4096], (64, 4, 4, 1), torch.bfloat16, None),
     "one_fp16": ([4096], (64, 4, 4, 1), torch.float16, None),
@@ -796,8 +797,15 @@ def compile_kl_sm90(name: str) -> dict:
                  "D": HEAD_DIM, "DI": INDEX_DIM, "QS": kern.Q_STAGES, "KS": kern.KV_STAGES,
                  "KI_AT": min(2, group - 1), "GRAD": True, "DZS": 4096.0,
                  "PRODUCER_REGS": kern.PRODUCER_REGS, "num_warps": kern.WARPS}
+    kernel = kern.dense_kl_pass_a
+    if name.startswith("kls"):
+        kernel = kern.dense_kl_pass_a_split
+        del constants["KI_AT"]
+        constants["EPILOGUE_REGS"] = kern.EPILOGUE_REGS
+        constants["QS"], constants["KS"] = (int(os.environ.get("KLS_QS", kern.Q_STAGES)),
+                                            int(os.environ.get("KLS_KS", kern.KV_STAGES)))
     attrs = {(j,): [["tt.divisibility", 16]] for j in range(5, 13)}
-    source = GluonASTSource(kern.dense_kl_pass_a,
+    source = GluonASTSource(kernel,
                             dict(signature, **{c: "constexpr" for c in constants}), constants,
                             attrs)
     return _compiled(name, source, {"num_warps": kern.WARPS}, bm, bn)
@@ -934,7 +942,8 @@ def run_kl_time(impl: str, path: str, token_counts) -> dict:
     return entry
 
 
-def run_kl(path: str, token_counts, timeout: float) -> int:
+def run_kl(path: str, token_counts, timeout: float,
+           children=("check", "time_triton", "time_gluon")) -> int:
     """``kl OUT.json``: the check, then the Triton and Gluon timings, each in its own process
     with a time limit (a Gluon crash or hang loses only its row); JSON at ``path``."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -942,9 +951,10 @@ def run_kl(path: str, token_counts, timeout: float) -> int:
 
     result = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "triton": triton.__version__, "commit": git_commit(), "tokens": list(token_counts),
+              "kl_pass_a": os.environ.get("KL_PASS_A", "default"),
               "paper": {"Hq": HEADS, "Hkv": INDEX_HEADS, "Hi": INDEX_HEADS, "Hik": 1,
                         "D": HEAD_DIM, "Di": INDEX_DIM, "dtype": "bf16"}, "rows": {}}
-    for child in ("check", "time_triton", "time_gluon"):
+    for child in children:
         with tempfile.NamedTemporaryFile(suffix=".json") as part:
             command = [sys.executable, os.path.abspath(__file__), "--kl-child", child, part.name,
                        "--tokens", *map(str, token_counts)]
@@ -971,9 +981,24 @@ def run_kl(path: str, token_counts, timeout: float) -> int:
     return 0
 
 
+def apply_pass_a_env() -> None:
+    """``KL_PASS_A=KERNEL[:Q_STAGES:KV_STAGES]`` (``fused`` / ``split``) sets
+    ``dense_kl_gluon.PASS_A`` for this process (the kl children inherit it)."""
+    spec = os.environ.get("KL_PASS_A")
+    if not spec:
+        return
+    from msa_megatron.ops.triton import dense_kl_gluon as dkg
+
+    name, *stages = spec.split(":")
+    dkg.PASS_A["kernel"] = name
+    if stages:
+        dkg.PASS_A["q_stages"], dkg.PASS_A["kv_stages"] = map(int, stages)
+
+
 def run_kl_child(child: str, path: str, token_counts) -> int:
     """``--kl-child NAME PATH``: one row of :func:`run_kl` (an exception is re-raised after
     what was written so far stays in ``path``)."""
+    apply_pass_a_env()
     if child == "check":
         run_kl_check(path)
     elif child == "check_wide":
@@ -998,13 +1023,17 @@ def main(argv=None) -> int:
         parser.add_argument("--tokens", type=int, nargs="+", default=list(KL_TOKENS))
         parser.add_argument("--timeout", type=float, default=180.0,
                             help="seconds per child (the check; each implementation's timing)")
+        if argv[0] == "kl":
+            parser.add_argument("--children", nargs="+",
+                                default=["check", "time_triton", "time_gluon"],
+                                choices=("check", "check_wide", "time_triton", "time_gluon"))
         args = parser.parse_args(argv[1:])
         if not torch.cuda.is_available():
             print("no CUDA device: the kl run needs the GPU")
             return 2
         if argv[0] == "--kl-child":
             return run_kl_child(args.child, args.out, args.tokens)
-        return run_kl(args.out, args.tokens, args.timeout)
+        return run_kl(args.out, args.tokens, args.timeout, args.children)
     child = argv[:1] == ["--child"]
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     if child:

@@ -2,7 +2,7 @@
 # Nsight Compute profile of the Gluon dense KL's kernels (pass A, lse_z, pass B) at one length,
 # one key chunk (dz budget 8 GiB), paper heads: one warm call (compiles), then one profiled call.
 # Run from the repository root on the GPU machine (device tool), writing under $OUT:
-#   T=32768 OUT=... bash benchmarks/gpu_ncu_dense_kl.sh
+#   T=32768 OUT=... [KL_PASS_A=split] [KERNELS="dense_kl_pass_a_split ..."] bash benchmarks/gpu_ncu_dense_kl.sh
 # Writes $OUT/ncu_dense_kl_<T>/: per kernel the details page (speed of light, workload, warp
 # states, occupancy), raw metrics (CSV) and, for pass A, the SASS source page with per-
 # instruction sampled stall reasons (where the warps wait).
@@ -15,7 +15,8 @@ mkdir -p "$dir"
 drv=(python3 -c "
 import sys, torch
 sys.path.insert(0, 'benchmarks')
-from gluon_probe import _kl_inputs
+from gluon_probe import _kl_inputs, apply_pass_a_env
+apply_pass_a_env()
 from msa_megatron.ops.triton import dense_kl_gluon as g
 x = _kl_inputs([$T], (64, 4, 4, 1), torch.bfloat16, 'cuda')
 for _ in range(2):
@@ -23,7 +24,7 @@ for _ in range(2):
                        budget=8 << 30)
 torch.cuda.synchronize()
 ")
-for k in dense_kl_pass_a _lse_z_kernel _dk_pass_kernel; do
+for k in ${KERNELS:-dense_kl_pass_a _lse_z_kernel _dk_pass_kernel}; do
     t0=$(date +%s)
     timeout "${KERNEL_LIMIT:-120}" ncu --clock-control none --set full --import-source no \
         -k "regex:^${k}\$" --launch-skip 1 -c 1 -f -o "/tmp/ncu_$k" "${drv[@]}" \
@@ -32,7 +33,7 @@ for k in dense_kl_pass_a _lse_z_kernel _dk_pass_kernel; do
     if [ -f "/tmp/ncu_$k.ncu-rep" ]; then
         ncu -i "/tmp/ncu_$k.ncu-rep" --page details > "$dir/ncu_$k.txt" 2>&1
         ncu -i "/tmp/ncu_$k.ncu-rep" --page raw --csv > "$dir/ncu_${k}_raw.csv" 2>&1
-        if [ "$k" = dense_kl_pass_a ]; then
+        if [[ "$k" == dense_kl_pass_a* ]]; then
             ncu -i "/tmp/ncu_$k.ncu-rep" --page source --print-source sass --csv \
                 > "$dir/ncu_${k}_sass.csv" 2> "$dir/ncu_${k}_sass.err"
         fi

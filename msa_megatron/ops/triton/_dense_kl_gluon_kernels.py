@@ -27,7 +27,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma, warpgroup_mma_wait)
 
 LN2 = gl.constexpr(0.6931471805599453)
+LOG2E = gl.constexpr(1.4426950408889634)
 BLOCK_M, BLOCK_N, Q_STAGES, KV_STAGES, WARPS, PRODUCER_REGS = 64, 128, 3, 2, 4, 40
+# the split kernel (dense_kl_pass_a_split): registers of its epilogue warpgroup (the teacher
+# warpgroup, the default partition, gets what the launch's 12 warps leave)
+EPILOGUE_REGS = 232
 
 
 @gluon.jit
@@ -35,6 +39,21 @@ def _log2_approx(x):
     """``log2 x`` by ``lg2.approx`` (MUFU; relative error ~2^-22): ``gl.log`` lowers to the
     libdevice routine, whose temporaries over a [64, 128] tile exhausted the registers."""
     return gl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=gl.float32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _log2_ftz(x):
+    """``log2 x`` by ``lg2.approx.ftz`` (normal inputs: no subnormal fix-up instructions)."""
+    return gl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _exp2_ftz(x):
+    """``2^x`` by ``ex2.approx.ftz`` (``gl.exp2`` outside the head loop came out without ftz:
+    a compare and two multiplies more per element)."""
+    return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32,
                                      is_pure=True, pack=1)
 
 
@@ -217,3 +236,238 @@ def dense_kl_pass_a(q_desc, k_desc, qi_desc, ki_desc, dz_desc, lse2_ptr, lsez_pt
                      q_ready, q_empty, kv_ready, kv_empty, ki_ready, ki_empty, qi_ready, m, i,
                      i // IPG, i // HPK, lo, hi, G, BM, BN, D, DI, QS, KS, KI_AT)),
     ], [1], [PRODUCER_REGS])
+
+
+# --- pass A, split: the teacher loop and the per-key-step epilogue in two warpgroups -------------
+#
+# The fused kernel above runs each key step's epilogue (student product, support mask, KL, dz,
+# its TMA store and ``dz k_idx``) after the G heads' products in the same warpgroup: the tensor
+# pipe idles through it (pass A 31.8 ms at paper 32K against 21.1 for the teacher loop alone).
+# Here the teacher warpgroup (default partition) only runs the head loop and hands the step's
+# unmasked teacher sum ``p`` (fp32, one shared slot) to an epilogue warpgroup (worker), which
+# runs the rest of step ``n`` while the teacher computes step ``n + 1``; ``dq_idx``'s partial
+# stays in the epilogue's registers. The producer warp loads ``k_idx`` of step ``n`` just before
+# the step's last Q tile: its one slot frees when the epilogue of step ``n - 1`` ends.
+
+
+@gluon.jit
+def _q_slot(c, jj: gl.constexpr, G: gl.constexpr, QS: gl.constexpr):
+    """``(slot, phase)`` of head ``jj``'s Q tile in key step ``c`` (the ring's ``c G + jj``-th
+    tile): compile-time constants when ``QS`` divides ``G`` (and ``G / QS`` is even)."""
+    if G % QS == 0:
+        if (G // QS) % 2 == 0:
+            return jj % QS, (jj // QS) & 1
+        return jj % QS, (c + jj // QS) & 1
+    qc = c * G + jj
+    return qc % QS, (qc // QS) & 1
+
+
+@gluon.jit
+def _producer_split(q_desc, k_desc, qi_desc, ki_desc, q_smem, k_smem, ki_smem, qi_smem, q_ready,
+                    q_empty, kv_ready, kv_empty, ki_ready, ki_empty, qi_ready, m, i, g, j, lo, hi,
+                    G: gl.constexpr, BM: gl.constexpr, D: gl.constexpr, DI: gl.constexpr,
+                    BN: gl.constexpr, QS: gl.constexpr, KS: gl.constexpr):
+    """Producer (1 warp): ``q_idx`` once; per key step K into ring slot ``c % KS``, the G Q
+    tiles into the Q ring, ``k_idx`` before the last of them (TMA, mbarriers)."""
+    if hi > lo:
+        mbarrier.expect(qi_ready.index(0), qi_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(qi_desc, [m * BM, i * DI], qi_ready.index(0), qi_smem)
+    qc = 0
+    for n in range(lo, hi):
+        c = n - lo
+        slot = c % KS
+        mbarrier.wait(kv_empty.index(slot), ((c // KS) & 1) ^ 1)  # first round: passes
+        mbarrier.expect(kv_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [n * BN, g * D], kv_ready.index(slot),
+                                        k_smem.index(slot))
+        for jj in range(G):
+            if jj == G - 1:
+                mbarrier.wait(ki_empty.index(0), (c & 1) ^ 1)
+                mbarrier.expect(ki_ready.index(0), ki_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(ki_desc, [n * BN, j * DI], ki_ready.index(0),
+                                                ki_smem)
+            qs = qc % QS
+            mbarrier.wait(q_empty.index(qs), ((qc // QS) & 1) ^ 1)
+            mbarrier.expect(q_ready.index(qs), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [m * BM, (i * G + jj) * D],
+                                            q_ready.index(qs), q_smem.index(qs))
+            qc += 1
+
+
+@gluon.jit
+def _teacher_split(lse2_ptr, q_smem, k_smem, p_smem, q_ready, q_empty, kv_ready, kv_empty,
+                   p_ready, p_empty, m, i, lo, hi, Tq, scale2, G: gl.constexpr,
+                   BM: gl.constexpr, BN: gl.constexpr, QS: gl.constexpr, KS: gl.constexpr,
+                   WARPS: gl.constexpr):
+    """Teacher warpgroup (default partition): per key step ``p = sum_h exp2(S_h scale2 -
+    lse2_h)`` over the G heads (each product issued before the previous head's exp2), then
+    ``p`` into the hand-off slot once the epilogue has read the previous one."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                       instr_shape=[16, BN, 16])
+    row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+    # the G heads' lse2 rows ([Hq, Tq]: lse log2e + log2 G) staged once in shared memory
+    flat = gl.arange(0, G * BM, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
+    lr = m * BM + flat % BM
+    lse_tile = gl.load(lse2_ptr + (i * G + flat // BM) * Tq + lr, mask=lr < Tq, other=0.0)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [G * BM],
+                                         gl.SwizzledSharedLayout(1, 1, 1, [0]), lse_tile)
+    gl.thread_barrier()
+    zero_s = gl.zeros([BM, BN], gl.float32, layout=s_layout)
+    for n in range(lo, hi):
+        c = n - lo
+        slot = c % KS
+        mbarrier.wait(kv_ready.index(slot), (c // KS) & 1)
+        kt = k_smem.index(slot).permute((1, 0))  # [D, BN]
+        qs, ph = _q_slot(c, 0, G, QS)
+        mbarrier.wait(q_ready.index(qs), ph)
+        s_next = warpgroup_mma(q_smem.index(qs), kt, zero_s, use_acc=False, is_async=True)
+        p = zero_s
+        for jj in gl.static_range(G):
+            s_now = s_next
+            if jj + 1 < G:  # issue head jj + 1's product before head jj's exp2
+                qs, ph = _q_slot(c, jj + 1, G, QS)
+                mbarrier.wait(q_ready.index(qs), ph)
+                s_next = warpgroup_mma(q_smem.index(qs), kt, zero_s, use_acc=False,
+                                       is_async=True)
+                s = warpgroup_mma_wait(num_outstanding=1, deps=(s_now, ))
+            else:
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s_now, ))
+            gl.thread_barrier()  # every warp's reads of the slots done: the arrive is thread 0's
+            qs, ph = _q_slot(c, jj, G, QS)
+            mbarrier.arrive(q_empty.index(qs), count=1)
+            if jj + 1 == G:
+                mbarrier.arrive(kv_empty.index(slot), count=1)
+            lse2 = lse_smem.slice(jj * BM, BM).load(row_l)
+            p += gl.exp2(s * scale2 - lse2[:, None])
+        mbarrier.wait(p_empty.index(0), (c & 1) ^ 1)  # the epilogue has read step c - 1's p
+        p_smem.store(p)
+        gl.thread_barrier()
+        mbarrier.arrive(p_ready.index(0), count=1)
+
+
+@gluon.jit
+def _epilogue_split(dz_desc, lsez_ptr, qpos_ptr, qkb_ptr, dq_ptr, klpart_ptr, ki_smem, qi_smem,
+                    dz_smem, p_smem, p_ready, p_empty, ki_ready, ki_empty, qi_ready, m, i, lo,
+                    hi, ch_lo, Tq, Tq_pad, HI, iscale2, BM: gl.constexpr, BN: gl.constexpr,
+                    DI: gl.constexpr, GRAD: gl.constexpr, DZS: gl.constexpr,
+                    WARPS: gl.constexpr):
+    """Epilogue warpgroup (worker): per key step the student product ``z = q_idx k_idx^T``, the
+    support mask, the KL partial (log2 units, times ln 2 at the end), ``dz = Qs - T`` (times
+    ``DZS``, rounded to the input dtype) stored to the chunk's buffer by TMA and ``acc += dz
+    k_idx`` (registers); at the end the KL partial and the tile's ``dq_idx`` added."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                       instr_shape=[16, BN, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                       instr_shape=[16, DI, 16])
+    row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+    rows = m * BM + gl.arange(0, BM, layout=row_l)
+    valid = rows < Tq
+    pos = gl.load(qpos_ptr + rows, mask=valid, other=-1)
+    kb = gl.load(qkb_ptr + rows, mask=valid, other=0)
+    ke = kb + pos  # the row's last key (rows past Tq: kb - 1, an empty support)
+    lse_z2 = gl.load(lsez_ptr + rows * HI + i, mask=valid, other=0.0) * LOG2E
+    zero_s = gl.zeros([BM, BN], gl.float32, layout=s_layout)
+    kl_rows = gl.zeros([BM], gl.float32, layout=row_l)
+    acc = gl.zeros([BM, DI], gl.float32, layout=o_layout)
+    if hi > lo:
+        mbarrier.wait(qi_ready.index(0), 0)
+    for n in range(lo, hi):
+        c = n - lo
+        mbarrier.wait(ki_ready.index(0), c & 1)
+        z = warpgroup_mma(qi_smem, ki_smem.permute((1, 0)), zero_s, use_acc=False,
+                          is_async=True)
+        mbarrier.wait(p_ready.index(0), c & 1)
+        p = p_smem.load(s_layout)
+        gl.thread_barrier()
+        mbarrier.arrive(p_empty.index(0), count=1)
+        z = warpgroup_mma_wait(num_outstanding=0, deps=(z, ))
+        # the support mask applied once, to both (its 64 predicates per thread not kept): T = 0
+        # and log2 Qs = -1e30 outside, so Qs = 0 there and T (lg2 T - lg2 Qs) = 0 * 1e30 = 0
+        cols = n * BN + gl.arange(0, BN, layout=col_l)
+        inside = (cols[None, :] >= kb[:, None]) & (cols[None, :] <= ke[:, None])
+        teacher = gl.where(inside, p, 0.0)
+        l2qs = gl.where(inside, z * iscale2 - lse_z2[:, None], -1e30)  # log2 Qs
+        # T = 0 inside the support (underflow) adds 0 too: 0 * lg2(tiny) is 0
+        kl_rows += gl.sum(teacher * (_log2_ftz(gl.maximum(teacher, 1e-37)) - l2qs), axis=1)
+        if GRAD:
+            dz = ((_exp2_ftz(l2qs) - teacher) * DZS).to(qi_smem.dtype)
+            tma.store_wait(0)  # the previous step's store has read dz_smem
+            gl.thread_barrier()
+            dz_smem.store(dz)
+            fence_async_shared()
+            gl.thread_barrier()
+            tma.async_copy_shared_to_global(dz_desc, [i * Tq_pad + m * BM, (n - ch_lo) * BN],
+                                            dz_smem)
+            acc = warpgroup_mma(dz_smem, ki_smem, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        gl.thread_barrier()
+        mbarrier.arrive(ki_empty.index(0), count=1)
+    gl.store(klpart_ptr + m * HI + i, gl.sum(kl_rows, axis=0) * LN2)
+    if GRAD:
+        tma.store_wait(0)
+        if hi > lo:
+            out_rows = m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, o_layout))
+            out_cols = gl.arange(0, DI, layout=gl.SliceLayout(0, o_layout))
+            ptrs = dq_ptr + (out_rows.to(gl.int64)[:, None] * HI + i) * DI + out_cols[None, :]
+            keep = out_rows[:, None] < Tq
+            gl.store(ptrs, gl.load(ptrs, mask=keep, other=0.0) + acc, mask=keep)
+
+
+@gluon.jit(do_not_specialize=("Tq", "Tq_pad", "ch_lo", "ch_hi"))  # one compile per shape class
+def dense_kl_pass_a_split(q_desc, k_desc, qi_desc, ki_desc, dz_desc, lse2_ptr, lsez_ptr,
+                          qpos_ptr, qkb_ptr, nlo_ptr, nhi_ptr, dq_ptr, klpart_ptr, Tq, Tq_pad,
+                          ch_lo, ch_hi, scale2, iscale, HI: gl.constexpr, G: gl.constexpr,
+                          IPG: gl.constexpr, HPK: gl.constexpr, BM: gl.constexpr,
+                          BN: gl.constexpr, D: gl.constexpr, DI: gl.constexpr,
+                          QS: gl.constexpr, KS: gl.constexpr, GRAD: gl.constexpr,
+                          DZS: gl.constexpr, EPILOGUE_REGS: gl.constexpr,
+                          PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """Pass A with the teacher loop and the epilogue in two warpgroups (section comment above);
+    program, arguments and results as :func:`dense_kl_pass_a` (``KI_AT`` fixed: ``G - 1``)."""
+    m = gl.num_programs(0) - 1 - gl.program_id(0)
+    i = gl.program_id(1)
+    lo = gl.maximum(gl.load(nlo_ptr + m), ch_lo)
+    hi = gl.minimum(gl.load(nhi_ptr + m), ch_hi)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [QS, BM, D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [KS, BN, D], k_desc.layout)
+    ki_smem = gl.allocate_shared_memory(ki_desc.dtype, [BN, DI], ki_desc.layout)
+    qi_smem = gl.allocate_shared_memory(qi_desc.dtype, [BM, DI], qi_desc.layout)
+    dz_smem = gl.allocate_shared_memory(dz_desc.dtype, [BM, BN], dz_desc.layout)
+    # the hand-off of p: rows of 128 fp32, 32-byte units swizzled by row (no bank conflicts for
+    # the accumulator layout's 8-byte pieces)
+    p_smem = gl.allocate_shared_memory(gl.float32, [BM, BN],
+                                       gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
+    q_ready = gl.allocate_shared_memory(gl.int64, [QS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [QS, 1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [KS, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [KS, 1], mbarrier.MBarrierLayout())
+    ki_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    ki_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    qi_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    p_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(QS):
+        mbarrier.init(q_ready.index(s), count=1)
+        mbarrier.init(q_empty.index(s), count=1)
+    for s in gl.static_range(KS):
+        mbarrier.init(kv_ready.index(s), count=1)
+        mbarrier.init(kv_empty.index(s), count=1)
+    mbarrier.init(ki_ready.index(0), count=1)
+    mbarrier.init(ki_empty.index(0), count=1)
+    mbarrier.init(qi_ready.index(0), count=1)
+    mbarrier.init(p_ready.index(0), count=1)
+    mbarrier.init(p_empty.index(0), count=1)
+    fence_async_shared()
+    gl.warp_specialize([
+        (_teacher_split, (lse2_ptr, q_smem, k_smem, p_smem, q_ready, q_empty, kv_ready,
+                          kv_empty, p_ready, p_empty, m, i, lo, hi, Tq, scale2, G, BM, BN, QS,
+                          KS, num_warps)),
+        (_epilogue_split, (dz_desc, lsez_ptr, qpos_ptr, qkb_ptr, dq_ptr, klpart_ptr, ki_smem,
+                           qi_smem, dz_smem, p_smem, p_ready, p_empty, ki_ready, ki_empty,
+                           qi_ready, m, i, lo, hi, ch_lo, Tq, Tq_pad, HI, iscale * LOG2E, BM, BN,
+                           DI, GRAD, DZS, 4)),
+        (_producer_split, (q_desc, k_desc, qi_desc, ki_desc, q_smem, k_smem, ki_smem, qi_smem,
+                           q_ready, q_empty, kv_ready, kv_empty, ki_ready, ki_empty, qi_ready, m,
+                           i, i // IPG, i // HPK, lo, hi, G, BM, D, DI, BN, QS, KS)),
+    ], [4, 1], [EPILOGUE_REGS, PRODUCER_REGS])

@@ -63,6 +63,10 @@ PASS_B_WARPS = None
 PASS_B_STAGES = None
 PASS_B_ALIGN = 1
 PASS_B_RANGE_CHECK = True
+# pass A's Gluon kernel: "fused" (dense_kl_pass_a: one consumer warpgroup runs the heads and
+# each key step's epilogue) or "split" (dense_kl_pass_a_split: teacher and epilogue
+# warpgroups), and its Q / K ring depths
+PASS_A = {"kernel": "fused", "q_stages": 3, "kv_stages": 2}
 
 
 def gluon_kl_supported(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor,
@@ -299,6 +303,20 @@ def pass_a_gluon(a: _Launch) -> None:
 
     D, Di = a.q.shape[2], a.q_idx.shape[2]
     G = a.Hq // a.Hi
+    if PASS_A["kernel"] == "split":
+        kern.dense_kl_pass_a_split[(len(a.n_lo), a.Hi)](
+            desc(a.q, [a.bm, D]), desc(a.k, [a.bn, D]), desc(a.q_idx, [a.bm, Di]),
+            desc(a.k_idx, [a.bn, Di]), desc(a.dz_buf.view(-1, a.dz_buf.shape[-1]), [a.bm, a.bn]),
+            a.lse2, a.lse_z, a.q_pos, a.q_kbase, a.n_lo, a.n_hi, a.dq, a.kl_part, a.Tq,
+            a.Tq_pad, a.ch_lo, a.ch_hi, a.scale2, a.iscale, HI=a.Hi, G=G, IPG=a.Hi // a.Hkv,
+            HPK=a.Hi // a.Hik, BM=a.bm, BN=a.bn, D=D, DI=Di, QS=PASS_A["q_stages"],
+            KS=PASS_A["kv_stages"], GRAD=a.grad, DZS=_DZ_SCALE,
+            EPILOGUE_REGS=kern.EPILOGUE_REGS, PRODUCER_REGS=kern.PRODUCER_REGS,
+            num_warps=kern.WARPS,
+        )
+        return
+    if PASS_A["kernel"] != "fused":
+        raise ValueError(f"PASS_A['kernel'] must be 'fused' or 'split', got {PASS_A['kernel']!r}")
     kern.dense_kl_pass_a[(len(a.n_lo), a.Hi)](
         desc(a.q, [a.bm, D]), desc(a.k, [a.bn, D]), desc(a.q_idx, [a.bm, Di]),
         desc(a.k_idx, [a.bn, Di]), desc(a.dz_buf.view(-1, a.dz_buf.shape[-1]), [a.bm, a.bn]),

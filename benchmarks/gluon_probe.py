@@ -804,6 +804,7 @@ def compile_kl_sm90(name: str) -> dict:
         constants["EPILOGUE_REGS"] = kern.EPILOGUE_REGS
         constants["QS"], constants["KS"] = (int(os.environ.get("KLS_QS", kern.Q_STAGES)),
                                             int(os.environ.get("KLS_KS", kern.KV_STAGES)))
+        constants["DZ_IN_P"] = os.environ.get("KLS_DZ_IN_P", "0") == "1"
     attrs = {(j,): [["tt.divisibility", 16]] for j in range(5, 13)}
     source = GluonASTSource(kernel,
                             dict(signature, **{c: "constexpr" for c in constants}), constants,
@@ -982,8 +983,8 @@ def run_kl(path: str, token_counts, timeout: float,
 
 
 def apply_pass_a_env() -> None:
-    """``KL_PASS_A=KERNEL[:Q_STAGES:KV_STAGES]`` (``fused`` / ``split``) sets
-    ``dense_kl_gluon.PASS_A`` for this process (the kl children inherit it)."""
+    """``KL_PASS_A=KERNEL[:Q_STAGES:KV_STAGES[:p]]`` (``fused`` / ``split``; ``p``: dz staged in
+    the p slot) sets ``dense_kl_gluon.PASS_A`` for this process (the kl children inherit it)."""
     spec = os.environ.get("KL_PASS_A")
     if not spec:
         return
@@ -992,7 +993,8 @@ def apply_pass_a_env() -> None:
     name, *stages = spec.split(":")
     dkg.PASS_A["kernel"] = name
     if stages:
-        dkg.PASS_A["q_stages"], dkg.PASS_A["kv_stages"] = map(int, stages)
+        dkg.PASS_A["q_stages"], dkg.PASS_A["kv_stages"] = map(int, stages[:2])
+    dkg.PASS_A["dz_in_p"] = stages[2:] == ["p"]
 
 
 def run_kl_child(child: str, path: str, token_counts) -> int:

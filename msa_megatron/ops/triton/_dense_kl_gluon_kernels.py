@@ -350,7 +350,7 @@ def _epilogue_split(dz_desc, lsez_ptr, qpos_ptr, qkb_ptr, dq_ptr, klpart_ptr, ki
                     dz_smem, p_smem, p_ready, p_empty, ki_ready, ki_empty, qi_ready, m, i, lo,
                     hi, ch_lo, Tq, Tq_pad, HI, iscale2, BM: gl.constexpr, BN: gl.constexpr,
                     DI: gl.constexpr, GRAD: gl.constexpr, DZS: gl.constexpr,
-                    WARPS: gl.constexpr):
+                    DZ_IN_P: gl.constexpr, WARPS: gl.constexpr):
     """Epilogue warpgroup (worker): per key step the student product ``z = q_idx k_idx^T``, the
     support mask, the KL partial (log2 units, times ln 2 at the end), ``dz = Qs - T`` (times
     ``DZS``, rounded to the input dtype) stored to the chunk's buffer by TMA and ``acc += dz
@@ -380,7 +380,8 @@ def _epilogue_split(dz_desc, lsez_ptr, qpos_ptr, qkb_ptr, dq_ptr, klpart_ptr, ki
         mbarrier.wait(p_ready.index(0), c & 1)
         p = p_smem.load(s_layout)
         gl.thread_barrier()
-        mbarrier.arrive(p_empty.index(0), count=1)
+        if not DZ_IN_P:
+            mbarrier.arrive(p_empty.index(0), count=1)
         z = warpgroup_mma_wait(num_outstanding=0, deps=(z, ))
         # the support mask applied once, to both (its 64 predicates per thread not kept): T = 0
         # and log2 Qs = -1e30 outside, so Qs = 0 there and T (lg2 T - lg2 Qs) = 0 * 1e30 = 0
@@ -401,8 +402,12 @@ def _epilogue_split(dz_desc, lsez_ptr, qpos_ptr, qkb_ptr, dq_ptr, klpart_ptr, ki
                                             dz_smem)
             acc = warpgroup_mma(dz_smem, ki_smem, acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            if DZ_IN_P:  # dz lives in the p slot: free it once the store has read it
+                tma.store_wait(0)
         gl.thread_barrier()
         mbarrier.arrive(ki_empty.index(0), count=1)
+        if DZ_IN_P:
+            mbarrier.arrive(p_empty.index(0), count=1)
     gl.store(klpart_ptr + m * HI + i, gl.sum(kl_rows, axis=0) * LN2)
     if GRAD:
         tma.store_wait(0)
@@ -421,7 +426,7 @@ def dense_kl_pass_a_split(q_desc, k_desc, qi_desc, ki_desc, dz_desc, lse2_ptr, l
                           IPG: gl.constexpr, HPK: gl.constexpr, BM: gl.constexpr,
                           BN: gl.constexpr, D: gl.constexpr, DI: gl.constexpr,
                           QS: gl.constexpr, KS: gl.constexpr, GRAD: gl.constexpr,
-                          DZS: gl.constexpr, EPILOGUE_REGS: gl.constexpr,
+                          DZS: gl.constexpr, DZ_IN_P: gl.constexpr, EPILOGUE_REGS: gl.constexpr,
                           PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """Pass A with the teacher loop and the epilogue in two warpgroups (section comment above);
     program, arguments and results as :func:`dense_kl_pass_a` (``KI_AT`` fixed: ``G - 1``)."""
@@ -433,11 +438,14 @@ def dense_kl_pass_a_split(q_desc, k_desc, qi_desc, ki_desc, dz_desc, lse2_ptr, l
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [KS, BN, D], k_desc.layout)
     ki_smem = gl.allocate_shared_memory(ki_desc.dtype, [BN, DI], ki_desc.layout)
     qi_smem = gl.allocate_shared_memory(qi_desc.dtype, [BM, DI], qi_desc.layout)
-    dz_smem = gl.allocate_shared_memory(dz_desc.dtype, [BM, BN], dz_desc.layout)
     # the hand-off of p: rows of 128 fp32, 32-byte units swizzled by row (no bank conflicts for
     # the accumulator layout's 8-byte pieces)
     p_smem = gl.allocate_shared_memory(gl.float32, [BM, BN],
                                        gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
+    if DZ_IN_P:  # dz staged in the p slot's first half (the slot is freed after dz's store)
+        dz_smem = p_smem._reinterpret(dz_desc.dtype, [2 * BM, BN], dz_desc.layout).slice(0, BM)
+    else:
+        dz_smem = gl.allocate_shared_memory(dz_desc.dtype, [BM, BN], dz_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [QS, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [QS, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [KS, 1], mbarrier.MBarrierLayout())
@@ -466,7 +474,7 @@ def dense_kl_pass_a_split(q_desc, k_desc, qi_desc, ki_desc, dz_desc, lse2_ptr, l
         (_epilogue_split, (dz_desc, lsez_ptr, qpos_ptr, qkb_ptr, dq_ptr, klpart_ptr, ki_smem,
                            qi_smem, dz_smem, p_smem, p_ready, p_empty, ki_ready, ki_empty,
                            qi_ready, m, i, lo, hi, ch_lo, Tq, Tq_pad, HI, iscale * LOG2E, BM, BN,
-                           DI, GRAD, DZS, 4)),
+                           DI, GRAD, DZS, DZ_IN_P, 4)),
         (_producer_split, (q_desc, k_desc, qi_desc, ki_desc, q_smem, k_smem, ki_smem, qi_smem,
                            q_ready, q_empty, kv_ready, kv_empty, ki_ready, ki_empty, qi_ready, m,
                            i, i // IPG, i // HPK, lo, hi, G, BM, D, DI, BN, QS, KS)),

@@ -66,7 +66,7 @@ PASS_B_RANGE_CHECK = True
 # pass A's Gluon kernel: "fused" (dense_kl_pass_a: one consumer warpgroup runs the heads and
 # each key step's epilogue) or "split" (dense_kl_pass_a_split: teacher and epilogue
 # warpgroups), and its Q / K ring depths
-PASS_A = {"kernel": "fused", "q_stages": 3, "kv_stages": 2}
+PASS_A = {"kernel": "fused", "q_stages": 3, "kv_stages": 2, "dz_in_p": False}
 
 
 def gluon_kl_supported(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor,
@@ -310,7 +310,7 @@ def pass_a_gluon(a: _Launch) -> None:
             a.lse2, a.lse_z, a.q_pos, a.q_kbase, a.n_lo, a.n_hi, a.dq, a.kl_part, a.Tq,
             a.Tq_pad, a.ch_lo, a.ch_hi, a.scale2, a.iscale, HI=a.Hi, G=G, IPG=a.Hi // a.Hkv,
             HPK=a.Hi // a.Hik, BM=a.bm, BN=a.bn, D=D, DI=Di, QS=PASS_A["q_stages"],
-            KS=PASS_A["kv_stages"], GRAD=a.grad, DZS=_DZ_SCALE,
+            KS=PASS_A["kv_stages"], GRAD=a.grad, DZS=_DZ_SCALE, DZ_IN_P=PASS_A["dz_in_p"],
             EPILOGUE_REGS=kern.EPILOGUE_REGS, PRODUCER_REGS=kern.PRODUCER_REGS,
             num_warps=kern.WARPS,
         )

@@ -953,6 +953,7 @@ def run_kl(path: str, token_counts, timeout: float,
     result = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "triton": triton.__version__, "commit": git_commit(), "tokens": list(token_counts),
               "kl_pass_a": os.environ.get("KL_PASS_A", "default"),
+              "kl_lse_z": os.environ.get("KL_LSE_Z", "default"),
               "paper": {"Hq": HEADS, "Hkv": INDEX_HEADS, "Hi": INDEX_HEADS, "Hik": 1,
                         "D": HEAD_DIM, "Di": INDEX_DIM, "dtype": "bf16"}, "rows": {}}
     for child in children:
@@ -985,10 +986,13 @@ def run_kl(path: str, token_counts, timeout: float,
 def apply_pass_a_env() -> None:
     """``KL_PASS_A=KERNEL[:Q_STAGES:KV_STAGES[:p]]`` (``fused`` / ``split``; ``p``: dz staged in
     the p slot) sets ``dense_kl_gluon.PASS_A`` for this process (the kl children inherit it)."""
+    from msa_megatron.ops.triton import dense_kl_gluon as dkg
+
+    if os.environ.get("KL_LSE_Z"):  # "finite" / "general": dense_kl_gluon.LSE_Z_KERNEL
+        dkg.LSE_Z_KERNEL = os.environ["KL_LSE_Z"]
     spec = os.environ.get("KL_PASS_A")
     if not spec:
         return
-    from msa_megatron.ops.triton import dense_kl_gluon as dkg
 
     name, *stages = spec.split(":")
     dkg.PASS_A["kernel"] = name
@@ -1028,7 +1032,8 @@ def main(argv=None) -> int:
         if argv[0] == "kl":
             parser.add_argument("--children", nargs="+",
                                 default=["check", "time_triton", "time_gluon"],
-                                choices=("check", "check_wide", "time_triton", "time_gluon"))
+                                choices=("check", "check_wide", "check_cp", "time_triton",
+                                         "time_gluon"))
         args = parser.parse_args(argv[1:])
         if not torch.cuda.is_available():
             print("no CUDA device: the kl run needs the GPU")

@@ -56,6 +56,7 @@ from provenance import git_commit  # noqa: E402
 
 from msa_megatron.ops.triton import dense_kl_gluon as dkg  # noqa: E402
 from msa_megatron.ops.triton.dense_kl import _lse_z_kernel, student_lse  # noqa: E402
+from msa_megatron.ops.triton.dense_lse_z import student_lse_finite  # noqa: E402
 
 HEADS = (64, 4, 4, 1)  # Hq, Hkv, Hi, Hik (paper)
 DIM = 128
@@ -66,22 +67,27 @@ PASS_B_WARPS, PASS_B_PROGRAMS, PASS_B_BUDGETS = (4, 8), (264, 528, 1056, 2112), 
 # (Triton's default) and 4 stages
 PASS_B_VARIANTS = ((1, True, None), (16, True, None), (16, False, None), (16, False, 2),
                    (16, False, 4))
+# the finite-input kernel (dense_lse_z.student_lse_finite): ("finite", BM, BN, warps)
+LSE_FINITE = (("finite", 128, 64, 8), ("finite", 128, 128, 8), ("finite", 64, 128, 4),
+              ("finite", 64, 64, 4), ("finite", 128, 32, 4), ("finite", 128, 64, 4))
 LSE_TOL, PASS_B_TOL = 1e-5, 1e-5
 REPS, REPS_LONG, KEEP = 5, 3, 4
 TIME_LIMIT_S = 140.0
 FIRST_SHARE = 0.7  # of the time limit, for the first token count (the rest for the later ones)
 # --dry-run: tiny shapes under the interpreter (the orchestration, not the timings)
 DRY = dict(tokens=[300], heads=(4, 1, 2, 1), dim=16, dtype=torch.float32, tiles=(16, 32),
-           lse=dict(bms=(16, 32), bns=(16,), warps=(4,), stages=(None, 1)),
+           lse=dict(bms=(16, 32), bns=(16,), warps=(4,), stages=(None, 1),
+                    finite=(("finite", 16, 16, 4),)),
            pass_b=dict(warps=(4,), programs=(2, 528), budgets=(2 * 320 * 4 * 64, 1 << 20),
                        variants=((1, True, None), (16, False, None))))
 
 
 def lse_configs(bms=LSE_BM, bns=LSE_BN, warps=LSE_WARPS, stages=LSE_STAGES,
-                default=dkg.LSE_Z_TILES) -> list:
-    """``(BM, BN, warps, stages)`` launches of ``lse_z``, ``default`` first."""
+                default=dkg.LSE_Z_TILES, finite=LSE_FINITE) -> list:
+    """``(BM, BN, warps, stages)`` launches of ``lse_z``, ``default`` first, then the finite
+    kernel's ``("finite", BM, BN, warps)``."""
     grid = [(m, n, w, s) for m in bms for n in bns for w in warps for s in stages]
-    return [tuple(default)] + [c for c in grid if c != tuple(default)]
+    return [tuple(default)] + [c for c in grid if c != tuple(default)] + list(finite)
 
 
 def pass_b_configs(warps=PASS_B_WARPS, programs=PASS_B_PROGRAMS, budgets=PASS_B_BUDGETS,
@@ -137,13 +143,17 @@ def sweep_lse(sweep: Sweep, x: tuple, tokens: int, configs: list, reps: int) -> 
     iscale = q_idx.shape[2] ** -0.5
     ref, rows = None, []
     for cfg in configs:
-        row = dict(kernel="lse_z", tokens=tokens, config=dict(zip(("bm", "bn", "warps",
-                                                                    "stages"), cfg)))
+        finite = cfg[0] == "finite"
+        keys = ("kernel", "bm", "bn", "warps") if finite else ("bm", "bn", "warps", "stages")
+        row = dict(kernel="lse_z", tokens=tokens, config=dict(zip(keys, cfg)))
         if sweep.expired():
             row["skipped"] = "time limit"
         else:
             try:
                 def call(cfg=cfg):
+                    if finite:
+                        return student_lse_finite(q_idx, k_idx, q_pos, q_kbase, iscale,
+                                                  tuple(cfg[1:]))
                     return student_lse(q_idx, k_idx, q_pos, q_kbase, iscale, *cfg)
                 row["ms"] = time_ms(call, reps)
                 out = call()
@@ -257,6 +267,8 @@ def _best(rows: list, keep: int) -> list:
 
 
 def _lse_tuple(c: dict) -> tuple:
+    if c.get("kernel") == "finite":
+        return ("finite", c["bm"], c["bn"], c["warps"])
     return (c["bm"], c["bn"], c["warps"], c["stages"])
 
 

@@ -35,6 +35,7 @@ import triton.language as tl
 from ._common import dot_flags, interpreting, launch_options, mma
 from ._isolation import nonfinite_flag
 from .dense_kl import _DZ_SCALE, _LOG2E, dense_kl_loss, student_lse, tile_key_bounds
+from .dense_lse_z import student_lse_finite
 
 # the dz buffer of one key chunk: Hi x Tq x C elements of the input dtype
 DZ_BUDGET_BYTES = 2 << 30
@@ -50,6 +51,10 @@ _VERIFIED_ONLY = True
 # The launches of the two plain-Triton kernels, read at each call (a tuning run may set them:
 # benchmarks/tune_dense_kl_aux.py). lse_z: (BM, BN, num_warps, num_stages or None for Triton's).
 LSE_Z_TILES = (64, 64, 4, None)
+# which lse_z kernel: "finite" (dense_lse_z.student_lse_finite: finite inputs, fewer
+# instructions per logit; its own tiles, dense_lse_z.TILES) or "general" (dense_kl.student_lse
+# with LSE_Z_TILES: NaN/Inf carried through)
+LSE_Z_KERNEL = "general"
 _LSE_Z_DEFAULT = LSE_Z_TILES
 # (under the interpreter while LSE_Z_TILES is the default: small tiles, CPU time)
 _LSE_Z_INTERPRETED = (16, 16, 4, None)
@@ -349,7 +354,12 @@ def dense_kl_chunked(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: flo
     lse = lse.float().contiguous()
     lse_tiles = (_LSE_Z_INTERPRETED if interpreting() and LSE_Z_TILES == _LSE_Z_DEFAULT
                  else LSE_Z_TILES)
-    lse_z = student_lse(q_idx, k_idx, q_pos, q_kbase, index_scale, *lse_tiles)
+    if LSE_Z_KERNEL == "finite":  # the callers hand finite inputs only
+        lse_z = student_lse_finite(q_idx, k_idx, q_pos, q_kbase, index_scale)
+    elif LSE_Z_KERNEL == "general":
+        lse_z = student_lse(q_idx, k_idx, q_pos, q_kbase, index_scale, *lse_tiles)
+    else:
+        raise ValueError(f"LSE_Z_KERNEL must be 'finite' or 'general', got {LSE_Z_KERNEL!r}")
     ranges = key_tile_ranges(q_pos, q_kbase, Tk, bm, bn)
     n_lo, n_hi = ranges[:2]
     n_m, n_k = triton.cdiv(Tq, bm), triton.cdiv(Tk, bn)

@@ -24,6 +24,7 @@ import pytest  # noqa: E402
 from msa_megatron.layout import query_layout  # noqa: E402
 from msa_megatron.ops.triton import dense_kl_gluon as dkg  # noqa: E402
 from msa_megatron.ops.triton.dense_kl import student_lse  # noqa: E402
+from msa_megatron.ops.triton.dense_lse_z import student_lse_finite  # noqa: E402
 from tests.ops.test_dense_kl_gluon import _case, _chunked  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -186,14 +187,29 @@ def test_dense_kl_chunked_launches_as_the_module_constants_say(monkeypatch):
         lse_calls.append(args[5:])
         return student_lse(*args)
 
+    finite_calls = []
+
+    def finite_spy(*args):
+        finite_calls.append(args)
+        return student_lse_finite(*args)
+
     monkeypatch.setattr(dkg, "student_lse", lse_spy)
+    monkeypatch.setattr(dkg, "student_lse_finite", finite_spy)
     monkeypatch.setattr(dkg, "_dk_pass_kernel", _Spy(dkg._dk_pass_kernel))
     default = _chunked(*x, kl_scale=1.0, **kw)
-    assert lse_calls == [dkg._LSE_Z_INTERPRETED]  # interpreter, default constants: small tiles
+    # the default lse_z kernel is the finite-input one (dense_lse_z), launched once
+    assert dkg.LSE_Z_KERNEL == "finite" and len(finite_calls) == 1 and lse_calls == []
+    # pass B's defaults: 16-byte dz rows, no per-tile range re-test, 4 warps
     launches = dkg._dk_pass_kernel.launches
-    assert len(launches) == 3 and all(k["ALIGN"] == 1 and k["RANGE_CHECK"] and
+    assert len(launches) == 3 and all(k["ALIGN"] == 16 and not k["RANGE_CHECK"] and
                                       k["num_warps"] == 4 for _, k in launches)
     assert [g[2] for g, _ in launches] == [10] * 3  # cdiv(528, ...) > 10 query tiles
+    launches.clear()
+    monkeypatch.setattr(dkg, "LSE_Z_KERNEL", "general")
+    general = _chunked(*x, kl_scale=1.0, **kw)
+    assert lse_calls == [dkg._LSE_Z_INTERPRETED]  # interpreter, default tiles: small ones
+    for a, b in zip(general, default):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     launches.clear()
     monkeypatch.setattr(dkg, "LSE_Z_TILES", (32, 16, 8, 2))
     monkeypatch.setattr(dkg, "PASS_B_PROGRAMS", 8)
@@ -221,13 +237,15 @@ def _script():
 def test_sweep_orders_put_the_default_launch_first():
     tune = _script()
     lse = tune.lse_configs()
-    assert lse[0] == dkg.LSE_Z_TILES and len(lse) == 1 + 2 * 3 * 2 * 3 and len(set(lse)) == len(lse)
+    assert lse[0] == dkg.LSE_Z_TILES and len(set(lse)) == len(lse)
+    assert len(lse) == 1 + 2 * 3 * 2 * 3 + len(tune.LSE_FINITE)
     pb = tune.pass_b_configs()
     per_budget = len(pb) // len(tune.PASS_B_BUDGETS)
     for i, budget in enumerate(tune.PASS_B_BUDGETS):
         first = pb[i * per_budget]
-        assert first == dict(budget=budget, num_warps=8, programs=dkg.PASS_B_PROGRAMS, align=1,
-                             range_check=True, num_stages=None)
+        assert first == dict(budget=budget, num_warps=dkg.PASS_B_WARPS,
+                             programs=dkg.PASS_B_PROGRAMS, align=dkg.PASS_B_ALIGN,
+                             range_check=dkg.PASS_B_RANGE_CHECK, num_stages=dkg.PASS_B_STAGES)
     # today's launch is in the grid: listed once, first
     assert len(pb) == 2 * 2 * 4 * len(tune.PASS_B_VARIANTS)
     assert len({json.dumps(c, sort_keys=True) for c in pb}) == len(pb)
@@ -240,9 +258,9 @@ def test_sweep_dry_run(tmp_path):
     path = str(tmp_path / "sweep.json")
     data = tune.run(path, [100], dry=True,
                     lse_grid=dict(bms=(16, 24), bns=(32,), warps=(4,), stages=(None,),
-                                  default=(16, 16, 4, None)),
+                                  default=(16, 16, 4, None), finite=()),
                     pass_b_grid=dict(warps=(4,), programs=(528, 2), budgets=(1 << 20,),
-                                     variants=((16, False, None),), default_warps=4))
+                                     variants=((1, True, None),), default_warps=4))
     with open(path) as f:
         assert json.load(f)["rows"] == json.loads(json.dumps(data["rows"], default=str))
     lse = [r for r in data["rows"] if r["kernel"] == "lse_z"]

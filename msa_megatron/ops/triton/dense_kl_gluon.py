@@ -54,7 +54,7 @@ LSE_Z_TILES = (64, 64, 4, None)
 # which lse_z kernel: "finite" (dense_lse_z.student_lse_finite: finite inputs, fewer
 # instructions per logit; its own tiles, dense_lse_z.TILES) or "general" (dense_kl.student_lse
 # with LSE_Z_TILES: NaN/Inf carried through)
-LSE_Z_KERNEL = "general"
+LSE_Z_KERNEL = "finite"
 _LSE_Z_DEFAULT = LSE_Z_TILES
 # (under the interpreter while LSE_Z_TILES is the default: small tiles, CPU time)
 _LSE_Z_INTERPRETED = (16, 16, 4, None)
@@ -64,14 +64,14 @@ _LSE_Z_INTERPRETED = (16, 16, 4, None)
 # RANGE_CHECK: re-test n_lo[m] <= n < n_hi[m] per query tile (always true in [m_lo, m_hi): the
 # ranges are monotone; the branch keeps the loads out of Triton's software pipeline)
 PASS_B_PROGRAMS = 528
-PASS_B_WARPS = None
+PASS_B_WARPS = 4
 PASS_B_STAGES = None
-PASS_B_ALIGN = 1
-PASS_B_RANGE_CHECK = True
+PASS_B_ALIGN = 16
+PASS_B_RANGE_CHECK = False
 # pass A's Gluon kernel: "fused" (dense_kl_pass_a: one consumer warpgroup runs the heads and
 # each key step's epilogue) or "split" (dense_kl_pass_a_split: teacher and epilogue
 # warpgroups), and its Q / K ring depths
-PASS_A = {"kernel": "fused", "q_stages": 3, "kv_stages": 2, "dz_in_p": False}
+PASS_A = {"kernel": "split", "q_stages": 4, "kv_stages": 1, "dz_in_p": False}
 
 
 def gluon_kl_supported(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor,

@@ -802,9 +802,11 @@ def compile_kl_sm90(name: str) -> dict:
         kernel = kern.dense_kl_pass_a_split
         del constants["KI_AT"]
         constants["EPILOGUE_REGS"] = kern.EPILOGUE_REGS
-        constants["QS"], constants["KS"] = (int(os.environ.get("KLS_QS", kern.Q_STAGES)),
-                                            int(os.environ.get("KLS_KS", kern.KV_STAGES)))
-        constants["DZ_IN_P"] = os.environ.get("KLS_DZ_IN_P", "0") == "1"
+        from msa_megatron.ops.triton.dense_kl_gluon import PASS_A  # the product's rings
+
+        constants["QS"] = int(os.environ.get("KLS_QS", PASS_A["q_stages"]))
+        constants["KS"] = int(os.environ.get("KLS_KS", PASS_A["kv_stages"]))
+        constants["DZ_IN_P"] = os.environ.get("KLS_DZ_IN_P", str(int(PASS_A["dz_in_p"]))) == "1"
     attrs = {(j,): [["tt.divisibility", 16]] for j in range(5, 13)}
     source = GluonASTSource(kernel,
                             dict(signature, **{c: "constexpr" for c in constants}), constants,

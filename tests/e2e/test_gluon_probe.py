@@ -153,12 +153,16 @@ def test_compile_subcommand_for_sm90():
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     lines = {line.split()[0]: line for line in done.stdout.splitlines()[1:]}
     assert set(lines) == {"triton", "gluon", "gluon_wg1", "gluon_bn128", "gluon_pp",
-                          "kl", "kl_g4", "kl_g1"}, done.stdout
-    for name, heads in (("kl", 16), ("kl_g4", 4), ("kl_g1", 1)):  # the dense KL's pass A
+                          "gluon_bn128_q2", "gluon_bn128_k1q6", "kl", "kl_g4", "kl_g1", "kls",
+                          "kls_g4", "kls_g1"}, done.stdout
+    # the dense KL's pass A, fused and split (teacher and epilogue warpgroups)
+    for name, heads in (("kl", 16), ("kl_g4", 4), ("kl_g1", 1), ("kls", 16), ("kls_g4", 4),
+                        ("kls_g1", 1)):
         assert "wgmma serialised no " in lines[name], lines[name]
         # per key step one wait per head, the student product and dz k_idx
         assert f"WARPGROUP.DEPBAR {heads + 2} " in lines[name], lines[name]
-    for name in ("gluon", "gluon_wg1", "gluon_bn128", "gluon_pp"):
+    for name in ("gluon", "gluon_wg1", "gluon_bn128", "gluon_pp", "gluon_bn128_q2",
+                 "gluon_bn128_k1q6"):
         consumers = 2 if name == "gluon_pp" else 1  # partitions with their own code
         assert "wgmma serialised no " in lines[name], lines[name]
         # per key step 16 heads + k_idx: 17 waits per consumer's code

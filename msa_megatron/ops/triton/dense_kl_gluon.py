@@ -43,10 +43,10 @@ DZ_BUDGET_BYTES = 2 << 30
 BLOCK_M, BLOCK_N = 64, 128
 _HEAD_DIMS = (64, 128)
 _MAX_HPI = 16
-# only the layouts the H200 checks have run (results/dense_kl_gluon*_h200_s12.json: D, Di 64 and
-# 128, Hq / Hi 4 and 16, Hi / Hkv 1, 2 and 4, Hik 1 and 2, packed documents; not Tq != Tk, the
-# CP layout, whose check is written but not yet run: gluon_probe.py --kl-child check_cp,
-# KL_CHECKS_CP); False: all the kernel is written for
+# only the layouts the H200 checks have run (results/dense_kl_gluon*_h200_s1[23].json: D, Di 64
+# and 128, Hq / Hi 4 and 16, Hi / Hkv 1, 2 and 4, Hik 1 and 2, packed documents, and the CP
+# layout: one CP rank's rows against all keys, gluon_probe.py --kl-child check_cp, run with the
+# split pass A in session 13); False: all the kernel is written for
 _VERIFIED_ONLY = True
 # The launches of the two plain-Triton kernels, read at each call (a tuning run may set them:
 # benchmarks/tune_dense_kl_aux.py). lse_z: (BM, BN, num_warps, num_stages or None for Triton's).
@@ -80,9 +80,8 @@ def gluon_kl_supported(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor,
     reason)``: a CUDA device of compute capability 9.x, Gluon's Hopper modules importable,
     fp16/bf16, ``D`` and ``Di`` in {64, 128}, ``Hq / Hi`` a power of two in 1..16, ``Hkv``
     and ``Hik`` dividing ``Hi``; while :data:`_VERIFIED_ONLY`, also only what the GPU checks
-    have run: ``Hq / Hi`` 4 or 16, ``D = Di``, ``Hi / Hkv <= 4``, ``Hik <= 2``, ``Tq = Tk``
-    (not the CP layout, until ``benchmarks/gluon_probe.py --kl-child check_cp`` has passed on
-    a GPU). (Finiteness is checked by the call itself, which hands non-finite
+    have run: ``Hq / Hi`` 4 or 16, ``D = Di``, ``Hi / Hkv <= 4``, ``Hik <= 2`` (the standard
+    and the CP layout both). (Finiteness is checked by the call itself, which hands non-finite
     inputs to :mod:`.dense_kl`.)"""
     if q.device.type != "cuda":
         return False, f"needs a CUDA device, inputs are on {q.device.type}"
@@ -115,11 +114,8 @@ def shape_support(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor,
         return False, f"needs Hkv and Hik to divide Hi, got Hkv {hkv}, Hik {hik}, Hi {hi}"
     if not _VERIFIED_ONLY:
         return True, ""
-    # what the H200 checks (benchmarks/gluon_probe.py kl, --kl-child check_wide) have run; the
-    # CP layout waits for its GPU check (benchmarks/gluon_probe.py --kl-child check_cp: one CP
-    # rank's rows of megatron-core's load-balanced split against all keys, KL_CHECKS_CP; the CPU
-    # dry run of the same orchestration: tests/ops/test_dense_kl_gluon.py, test_cp_layout_*).
-    # Drop the Tq != Tk test below only once that check has passed on the GPU.
+    # what the H200 checks (benchmarks/gluon_probe.py kl, --kl-child check_wide, check_cp: one
+    # CP rank's rows of megatron-core's load-balanced split against all keys) have run
     g = hq // hi
     if g not in (4, 16) or d != di:
         return False, (f"Hq / Hi in (4, 16) and D = Di only until others are checked on a GPU "
@@ -127,9 +123,6 @@ def shape_support(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor,
     if hi // hkv > 4 or hik > 2:
         return False, (f"Hi / Hkv <= 4 and Hik <= 2 only until others are checked on a GPU "
                        f"(Hi / Hkv {hi // hkv}, Hik {hik})")
-    if q.shape[0] != k.shape[0]:
-        return False, (f"the standard layout only (as many key rows as query rows) until the CP "
-                       f"layout is checked on a GPU (Tq {q.shape[0]}, Tk {k.shape[0]})")
     return True, ""
 
 

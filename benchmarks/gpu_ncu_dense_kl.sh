@@ -3,15 +3,15 @@
 # one key chunk (dz budget 8 GiB), paper heads: one warm call (compiles), then one profiled call.
 # Run from the repository root on the GPU machine (device tool), writing under $OUT:
 #   T=32768 OUT=... [KL_PASS_A=split] [KERNELS="dense_kl_pass_a_split ..."] bash benchmarks/gpu_ncu_dense_kl.sh
-# Writes $OUT/ncu_dense_kl_<T>/: per kernel the details page (speed of light, workload, warp
+# Writes $OUT/ncu_dense_kl_<T>.tgz (one file: the device tool returns few files): per kernel the details page (speed of light, workload, warp
 # states, occupancy), raw metrics (CSV) and, for pass A, the SASS source page with per-
 # instruction sampled stall reasons (where the warps wait).
 set -u
 . benchmarks/gpu_env.sh
 : "${OUT:?set OUT}"
 T=${T:-32768}
-dir=$OUT/ncu_dense_kl_$T
-mkdir -p "$dir"
+dir=/tmp/ncu_dense_kl_$T
+rm -rf "$dir"; mkdir -p "$dir"
 drv=(python3 -c "
 import sys, torch
 sys.path.insert(0, 'benchmarks')
@@ -43,3 +43,4 @@ for k in ${KERNELS:-dense_kl_pass_a _lse_z_kernel _dk_pass_kernel}; do
         tail -5 "$dir/ncu_$k.log"
     fi
 done
+tar -czf "$OUT/ncu_dense_kl_$T.tgz" -C "$dir" .

@@ -281,8 +281,9 @@ def test_dispatch_errors(monkeypatch):
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
 @pytest.mark.parametrize("tensor", ["q", "k", "lse", "q_idx", "k_idx"])
 def test_nonfinite_inputs_go_to_the_triton_dense_kl(monkeypatch, tensor, value):
-    """NaN/Inf anywhere in q, k, lse, q_idx, k_idx: dense_kl.py's answer (MSA_SPEC 7); finite
-    inputs: the chunked passes with the Gluon pass A (both with supported() forced true)."""
+    """NaN/Inf anywhere in q, k, lse, q_idx, k_idx: dense_kl.py's answer (MSA_SPEC 7), whatever
+    the Gluon passes made of them; finite inputs: the chunked passes with the Gluon pass A (both
+    with supported() forced true)."""
     q, k, q_idx, k_idx, q_pos, q_kbase = _case([9, 14], (4, 1, 2, 1), seed=7)
     x = dict(q=q, k=k, lse=_lse(q, k, q_pos, q_kbase, q.shape[2] ** -0.5).float(),
              q_idx=q_idx, k_idx=k_idx)
@@ -297,7 +298,9 @@ def test_nonfinite_inputs_go_to_the_triton_dense_kl(monkeypatch, tensor, value):
     x[tensor][12].view(-1)[1] = value  # row 12: the second sequence
     got = dkg.dense_kl_loss_gluon(*(x[n] for n in names), *args)
     want = dkg.dense_kl_loss(*(x[n] for n in names), *args)
-    assert len(calls) == 1
+    # the Gluon passes were queued before the flag was read (no idle GPU during the host's
+    # launches); their result is dropped for the Triton pass's
+    assert len(calls) == 2
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, equal_nan=True)
 

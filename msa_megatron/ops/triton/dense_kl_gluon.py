@@ -400,8 +400,12 @@ def dense_kl_loss_gluon(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: 
                         index_scale: float, kl_scale: float, compute_grad: bool) -> tuple:
     """:func:`.dense_kl.dense_kl_loss` with pass A in Gluon (module docstring); same arguments,
     result and scales; deterministic. Raises ValueError naming the reason when
-    :func:`gluon_kl_supported` says no; inputs holding NaN/Inf (one device check, one host
-    sync) go to :func:`.dense_kl.dense_kl_loss`, which implements MSA_SPEC 7."""
+    :func:`gluon_kl_supported` says no. Inputs holding NaN/Inf get the result of
+    :func:`.dense_kl.dense_kl_loss`, which implements MSA_SPEC 7: the finiteness flag (one fp32
+    sum per tensor, on the device) is read (one host sync) only after the Gluon passes are
+    queued, so the GPU stays busy while the host waits; when it is set, the Gluon result (which
+    only wrote fresh buffers) is dropped and the Triton pass runs. (Reading it first cost ~2.5
+    ms at 32K: the GPU idled while the host launched the passes.)"""
     ok, why = gluon_kl_supported(q, k, q_idx, k_idx)
     if not ok:
         raise ValueError(f"dense_kl_loss_gluon: unsupported inputs: {why}")
@@ -410,6 +414,8 @@ def dense_kl_loss_gluon(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: 
     if q.shape[0] == 0:
         return dense_kl_loss(*args)
     # one fp32 sum per tensor, no temporary of its size (isfinite would make ~5 bytes/element)
-    if bool(nonfinite_flag(q, k, lse, q_idx, k_idx)):
+    flag = nonfinite_flag(q, k, lse, q_idx, k_idx)
+    result = dense_kl_chunked(*args, pass_a=pass_a_gluon)
+    if bool(flag):
         return dense_kl_loss(*args)
-    return dense_kl_chunked(*args, pass_a=pass_a_gluon)
+    return result

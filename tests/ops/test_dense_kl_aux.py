@@ -292,3 +292,51 @@ def test_pass_b_variants_load_as_intended_on_sm90():
         assert "spill 0/0" in ln, ln
         assert ("ld.global.b16" in ln) == ("align 1 " in ln), ln
         assert ("cp.async" in ln) == ("range_check False" in ln), ln
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_range_recheck_is_true_for_cp_ranks_and_arbitrary_rows(seed):
+    """The same as above for the layouts the Gluon KL now takes: one CP rank's rows
+    (megatron-core's load-balanced split: a rank's rows jump between two chunks of each
+    document), and arbitrary rows (key bases in any order, empty rows ``pos = -1``, ``Tk`` not
+    a multiple of the key tile, fewer or more query rows than keys): pass B without the
+    re-test walks exactly the tiles pass A writes."""
+    from msa_megatron.parallel.cp_layout import build_cp_layout
+
+    gen = torch.Generator().manual_seed(seed)
+    layouts = []
+    for cp in (2, 4):
+        lens = (torch.randint(1, 40, (3,), generator=gen) * 2 * cp).tolist()
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        for rank in range(cp):
+            lay = build_cp_layout(cu, cp, rank, 1, torch.device("cpu"))
+            layouts.append((lay.q_pos, lay.q_kbase, sum(lens)))
+    for tq, tk in ((37, 100), (130, 61), (5, 3)):
+        kb = torch.randint(0, tk, (tq,), generator=gen)
+        pos = torch.minimum(torch.randint(-1, tk, (tq,), generator=gen), tk - 1 - kb)
+        layouts.append((pos.to(torch.int32), kb.to(torch.int32), tk))
+    for q_pos, q_kbase, tk in layouts:
+        for bm, bn in [(16, 32), (64, 16), (16, 128)]:
+            ranges = dkg.key_tile_ranges(q_pos, q_kbase, tk, bm, bn)
+            n_lo, n_hi, m_lo, m_hi = (x.tolist() for x in ranges)
+            assert len(m_lo) == -(-tk // bn)
+            walked = {(m, n) for n in range(len(m_lo)) for m in range(m_lo[n], m_hi[n])}
+            written = {(m, n) for m in range(len(n_lo)) for n in range(n_lo[m], n_hi[m])}
+            assert walked == written, (bm, bn)
+            # every key a row reads lies in a tile its query tile walks
+            for t in range(len(q_pos)):
+                if q_pos[t] >= 0:
+                    m = t // bm
+                    first, last = int(q_kbase[t]), int(q_kbase[t] + q_pos[t])
+                    assert n_lo[m] <= first // bn and last // bn < n_hi[m]
+
+
+@pytest.mark.parametrize("bn", [16, 32, 64, 128])
+def test_the_chunk_width_always_takes_16_byte_dz_rows(bn):
+    """PASS_B_ALIGN 16 divides every chunk width dense_kl_chunked makes (a multiple of the key
+    tile, a power of two >= 16 as launch_options requires), at any Tq, Tk and budget, tiny
+    inputs included."""
+    for hi, tq, tk, budget in [(1, 1, 1, 1), (4, 5, 3, 10), (2, 1000, 77, 1 << 20),
+                               (16, 4096, 4099, 2 << 30), (4, 64, 100000, 12345)]:
+        cols = dkg.chunk_columns(hi, tq, tk, 2, budget, bn)
+        assert cols % bn == 0 and cols % dkg.PASS_B_ALIGN == 0 and cols >= bn

@@ -332,3 +332,72 @@ def test_shape_support_is_what_the_gpu_check_ran(shape, reason):
     k_idx = torch.empty(s["tk"], s["hik"], s["di"], dtype=s["dtype"], device="meta")
     ok, why = dkg.shape_support(q, k, q_idx, k_idx)
     assert ok == (reason == "") and reason in why, why
+
+
+@pytest.mark.parametrize("rings,G,match", [
+    ({"q_stages": 1}, 4, "q_stages"),  # the teacher would wait for head 1's tile in slot 0
+    ({"q_stages": 1}, 2, "q_stages"),
+    ({"q_stages": 0}, 1, "q_stages"),
+    ({"kv_stages": 0}, 4, "kv_stages"),
+    ({"q_stages": 2.0}, 4, "q_stages"),
+    ({"dz_in_p": 1}, 4, "dz_in_p"),
+])
+def test_split_rings_refuse_a_ring_that_hangs(monkeypatch, rings, G, match):
+    """One Q slot with G >= 2 deadlocks the split kernel's head loop on the GPU (head jj + 1's
+    tile is awaited before head jj's slot is released): refused before any launch."""
+    monkeypatch.setattr(dkg, "PASS_A", dict(dkg.PASS_A, **rings))
+    with pytest.raises(ValueError, match=match):
+        dkg.split_rings(G)
+
+
+def test_split_rings_accept_the_checked_configs(monkeypatch):
+    assert dkg.split_rings(16) == (dkg.PASS_A["q_stages"], dkg.PASS_A["kv_stages"],
+                                   dkg.PASS_A["dz_in_p"])
+    monkeypatch.setattr(dkg, "PASS_A", dict(dkg.PASS_A, q_stages=1, kv_stages=2, dz_in_p=True))
+    assert dkg.split_rings(1) == (1, 2, True)
+
+
+def _ftz(x):
+    """Subnormal fp32 values flushed to (signed) zero, as ``.ftz`` does."""
+    return torch.where(x.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(x), x)
+
+
+def test_split_epilogue_arithmetic_equals_the_natural_log_form():
+    """The split kernel's epilogue arithmetic (``_epilogue_split``: log2 units, the mask as
+    ``T = 0`` and ``lg2 Qs = -1e30`` outside, ``max(T, 1e-37)`` instead of a ``T != 0`` select,
+    ftz ``lg2`` / ``ex2``, KL times ln 2 at the end) against :func:`pass_a_torch`'s
+    natural-log form, on a tile holding teachers that underflow to 0 or are subnormal inside
+    the support, student logits far below the row's LSE, and masked entries of any value."""
+    gen = torch.Generator().manual_seed(5)
+    bm, bn = 16, 32
+    p = torch.rand(bm, bn, generator=gen) * 0.2
+    p[0, :8] = 0.0  # underflowed teacher inside the support
+    p[1, :8] = 1e-40  # subnormal teacher
+    p[2, :8] = 3e-38
+    z = torch.randn(bm, bn, generator=gen) * 30  # log Qs from 0 down to about -150
+    iscale = 0.7
+    lse_z = (z * iscale).amax(1) + torch.rand(bm, generator=gen) * 5
+    cols = torch.arange(bn)
+    kb = torch.randint(0, bn, (bm,), generator=gen)
+    ke = kb + torch.randint(-1, bn, (bm,), generator=gen)  # some rows empty (ke = kb - 1)
+    inside = (cols[None] >= kb[:, None]) & (cols[None] <= ke[:, None])
+    inside[:3, :8] = True
+    # pass_a_torch's form (natural log), float64 for the reference
+    t64 = torch.where(inside, p, 0.0).double()
+    log_qs = z.double() * iscale - lse_z.double()[:, None]
+    has_t = t64 != 0
+    want_kl = torch.where(has_t, t64 * (torch.log(torch.where(has_t, t64, 1.0)) - log_qs),
+                          0.0).sum()
+    want_dz = torch.where(inside, torch.exp(log_qs) - t64, 0.0)
+    # the kernel's form (fp32)
+    log2e = 1.4426950408889634
+    teacher = torch.where(inside, p, 0.0)
+    l2qs = torch.where(inside, z * (iscale * log2e) - (lse_z * log2e)[:, None],
+                       torch.tensor(-1e30))
+    lg2t = _ftz(torch.log2(_ftz(torch.clamp(teacher, min=1e-37))))
+    kl = (teacher * (lg2t - l2qs)).sum(1).sum() * 0.6931471805599453
+    dz = _ftz(torch.exp2(_ftz(l2qs))) - teacher
+    assert torch.isfinite(kl) and torch.isfinite(dz).all()
+    assert abs(kl.item() - want_kl.item()) <= 1e-5 * abs(want_kl.item()) + 1e-30
+    assert (dz.double() - want_dz).abs().max().item() < 1e-6
+    assert (dz[~inside] == 0).all()

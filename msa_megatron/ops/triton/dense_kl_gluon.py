@@ -285,6 +285,23 @@ def pass_a_torch(a: _Launch) -> None:
                 a.dq[rows, i] += (dz.float() @ kit)[valid]
 
 
+def split_rings(G: int) -> tuple:
+    """``(QS, KS, DZ_IN_P)`` of the split pass A (:data:`PASS_A`, read at each call) for ``G``
+    query heads per index head. ValueError naming the key unless ``q_stages`` and
+    ``kv_stages`` are ints >= 1, ``q_stages >= 2`` when ``G >= 2`` (the teacher waits for
+    head ``jj + 1``'s Q tile before it releases head ``jj``'s slot: one slot would hang the
+    GPU) and ``dz_in_p`` a bool."""
+    qs, ks, dz_in_p = PASS_A["q_stages"], PASS_A["kv_stages"], PASS_A["dz_in_p"]
+    if not isinstance(qs, int) or qs < (2 if G >= 2 else 1):
+        raise ValueError(f"PASS_A['q_stages'] must be an int >= {2 if G >= 2 else 1} for "
+                         f"Hq / Hi = {G} (one Q slot deadlocks the head loop), got {qs!r}")
+    if not isinstance(ks, int) or ks < 1:
+        raise ValueError(f"PASS_A['kv_stages'] must be an int >= 1, got {ks!r}")
+    if not isinstance(dz_in_p, bool):
+        raise ValueError(f"PASS_A['dz_in_p'] must be a bool, got {dz_in_p!r}")
+    return qs, ks, dz_in_p
+
+
 def pass_a_gluon(a: _Launch) -> None:
     """Pass A of one chunk by the Gluon kernel (:mod:`._dense_kl_gluon_kernels`)."""
     from triton.experimental.gluon import language as gl
@@ -302,13 +319,14 @@ def pass_a_gluon(a: _Launch) -> None:
     D, Di = a.q.shape[2], a.q_idx.shape[2]
     G = a.Hq // a.Hi
     if PASS_A["kernel"] == "split":
+        qs, ks, dz_in_p = split_rings(G)
         kern.dense_kl_pass_a_split[(len(a.n_lo), a.Hi)](
             desc(a.q, [a.bm, D]), desc(a.k, [a.bn, D]), desc(a.q_idx, [a.bm, Di]),
             desc(a.k_idx, [a.bn, Di]), desc(a.dz_buf.view(-1, a.dz_buf.shape[-1]), [a.bm, a.bn]),
             a.lse2, a.lse_z, a.q_pos, a.q_kbase, a.n_lo, a.n_hi, a.dq, a.kl_part, a.Tq,
             a.Tq_pad, a.ch_lo, a.ch_hi, a.scale2, a.iscale, HI=a.Hi, G=G, IPG=a.Hi // a.Hkv,
-            HPK=a.Hi // a.Hik, BM=a.bm, BN=a.bn, D=D, DI=Di, QS=PASS_A["q_stages"],
-            KS=PASS_A["kv_stages"], GRAD=a.grad, DZS=_DZ_SCALE, DZ_IN_P=PASS_A["dz_in_p"],
+            HPK=a.Hi // a.Hik, BM=a.bm, BN=a.bn, D=D, DI=Di, QS=qs, KS=ks,
+            GRAD=a.grad, DZS=_DZ_SCALE, DZ_IN_P=dz_in_p,
             EPILOGUE_REGS=kern.EPILOGUE_REGS, PRODUCER_REGS=kern.PRODUCER_REGS,
             num_warps=kern.WARPS,
         )
@@ -332,8 +350,9 @@ def dense_kl_chunked(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: flo
                      budget: int = DZ_BUDGET_BYTES, dz_fill: float | None = None) -> tuple:
     """The key-chunk orchestration (module docstring) with pass A swappable
     (:func:`pass_a_gluon` on the GPU, :func:`pass_a_torch` in CPU tests); pass B
-    (:func:`pass_b`, launched as the ``PASS_B_*`` constants say) and ``lse_z``
-    (:func:`.dense_kl.student_lse` with :data:`LSE_Z_TILES`) are the Triton kernels. Arguments
+    (:func:`pass_b`, launched as the ``PASS_B_*`` constants say) and ``lse_z`` (as
+    :data:`LSE_Z_KERNEL` says: :func:`.dense_lse_z.student_lse_finite` with its own tiles, or
+    :func:`.dense_kl.student_lse` with :data:`LSE_Z_TILES`) are the Triton kernels. Arguments
     and result as :func:`.dense_kl.dense_kl_loss`; ``bm``, ``bn``: pass A's tiles (pass B's
     too); ``budget``: bytes of the ``dz`` buffer; ``dz_fill``: fill the buffer with this value
     first (tests: unwritten tiles show)."""

@@ -1,7 +1,9 @@
 """Launch sweeps of the Gluon dense KL's two plain-Triton kernels: ``lse_z`` and pass B.
 
 ``dense_kl_gluon.dense_kl_chunked`` runs, besides its Gluon pass A, the student's log-normaliser
-(:func:`msa_megatron.ops.triton.dense_kl.student_lse`, launched as
+(``dense_kl_gluon.LSE_Z_KERNEL``: since session 13 the finite-input
+:func:`msa_megatron.ops.triton.dense_lse_z.student_lse_finite`, swept as ``("finite", BM, BN,
+warps)`` rows; the general :func:`msa_megatron.ops.triton.dense_kl.student_lse` launched as
 ``dense_kl_gluon.LSE_Z_TILES``) and pass B (:func:`dense_kl_gluon.pass_b` per key chunk,
 launched as the ``dense_kl_gluon.PASS_B_*`` constants). This script times each alone at the
 paper heads (Hq 64, Hkv 4, Hi 4, Hik 1, D = Di = 128, bf16, one sequence;
@@ -62,7 +64,7 @@ HEADS = (64, 4, 4, 1)  # Hq, Hkv, Hi, Hik (paper)
 DIM = 128
 LSE_BM, LSE_BN, LSE_WARPS, LSE_STAGES = (64, 128), (32, 64, 128), (4, 8), (2, 3, 4)
 PASS_B_WARPS, PASS_B_PROGRAMS, PASS_B_BUDGETS = (4, 8), (264, 528, 1056, 2112), (2 << 30, 8 << 30)
-# (align, range_check, num_stages) of _dk_pass_kernel: today's; 16-byte dz loads; no range
+# (align, range_check, num_stages) of _dk_pass_kernel: session 12's launch; 16-byte dz loads; no range
 # re-test (lets Triton pipeline the loads: sm_90 PTX of ``compile`` has cp.async then) at 2, 3
 # (Triton's default) and 4 stages
 PASS_B_VARIANTS = ((1, True, None), (16, True, None), (16, False, None), (16, False, 2),

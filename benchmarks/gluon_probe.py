@@ -807,6 +807,7 @@ def compile_kl_sm90(name: str) -> dict:
         constants["QS"] = int(os.environ.get("KLS_QS", PASS_A["q_stages"]))
         constants["KS"] = int(os.environ.get("KLS_KS", PASS_A["kv_stages"]))
         constants["DZ_IN_P"] = os.environ.get("KLS_DZ_IN_P", str(int(PASS_A["dz_in_p"]))) == "1"
+        constants["POLY"] = os.environ.get("KLS_POLY", str(int(PASS_A.get("poly", False)))) == "1"
     attrs = {(j,): [["tt.divisibility", 16]] for j in range(5, 13)}
     source = GluonASTSource(kernel,
                             dict(signature, **{c: "constexpr" for c in constants}), constants,
@@ -986,8 +987,8 @@ def run_kl(path: str, token_counts, timeout: float,
 
 
 def apply_pass_a_env() -> None:
-    """``KL_PASS_A=KERNEL[:Q_STAGES:KV_STAGES[:p]]`` (``fused`` / ``split``; ``p``: dz staged in
-    the p slot) sets ``dense_kl_gluon.PASS_A`` for this process (the kl children inherit it)."""
+    """``KL_PASS_A=KERNEL[:Q_STAGES:KV_STAGES[:p][:poly]]`` (``fused`` / ``split``; ``p``: dz
+    staged in the p slot; ``poly``: a quarter of the teacher's exp2 by polynomial) sets ``dense_kl_gluon.PASS_A`` for this process (the kl children inherit it)."""
     from msa_megatron.ops.triton import dense_kl_gluon as dkg
 
     if os.environ.get("KL_LSE_Z"):  # "finite" / "general": dense_kl_gluon.LSE_Z_KERNEL
@@ -1000,7 +1001,8 @@ def apply_pass_a_env() -> None:
     dkg.PASS_A["kernel"] = name
     if stages:
         dkg.PASS_A["q_stages"], dkg.PASS_A["kv_stages"] = map(int, stages[:2])
-    dkg.PASS_A["dz_in_p"] = stages[2:] == ["p"]
+    dkg.PASS_A["dz_in_p"] = "p" in stages[2:]
+    dkg.PASS_A["poly"] = "poly" in stages[2:]
 
 
 def run_kl_child(child: str, path: str, token_counts) -> int:

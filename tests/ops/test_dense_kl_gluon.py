@@ -245,6 +245,14 @@ def test_gluon_pass_a_compiles_for_sm90():
                           timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.count("wgmma serialised no") == 2, done.stdout
+    # the split kernel with a quarter of the teacher's exp2 by polynomial (PASS_A["poly"]):
+    # 768 of the 1024 teacher MUFU.EX2 per key step stay, plus the epilogue's 64
+    env["KLS_POLY"] = "1"
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gluon_probe.py"),
+                           "compile", "kls"], capture_output=True, text=True, env=env,
+                          timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "wgmma serialised no" in done.stdout and "MUFU.EX2 832 " in done.stdout, done.stdout
 
 
 @pytest.mark.parametrize("value,want", [(None, "onepass"), ("auto", "onepass"),
@@ -401,3 +409,33 @@ def test_split_epilogue_arithmetic_equals_the_natural_log_form():
     assert abs(kl.item() - want_kl.item()) <= 1e-5 * abs(want_kl.item()) + 1e-30
     assert (dz.double() - want_dz).abs().max().item() < 1e-6
     assert (dz[~inside] == 0).all()
+
+
+def test_exp2_poly_recipe_is_accurate():
+    """The split teacher's optional polynomial exp2 (``_exp2_poly``, ``PASS_A["poly"]``; Gluon,
+    so not runnable here): its recipe replayed in fp32 torch with the constants read from its
+    source — clamp, the 1.5 2^23 rounding, degree-5 Horner, the exponent-bit add — is within
+    5e-7 of 2^x over the teacher's range, 0 for the clamp's floor, finite at the top."""
+    import re
+
+    pytest.importorskip("triton.experimental.gluon")
+    from msa_megatron.ops.triton import _dense_kl_gluon_kernels as kern
+
+    horner = [ln.strip() for ln in kern._exp2_poly.src.splitlines()
+              if ln.strip().startswith("q = ")]
+    coef = [float(c) for ln in horner for c in re.findall(r"\d+\.\d+(?:e-?\d+)?", ln)]
+    assert len(coef) == 6 and coef[-1] == 1.0, coef  # c5, c4 (first line), c3 .. c0
+    x = torch.cat([torch.linspace(-126.0, 0.5, 400001), torch.tensor([-300.0, 300.0, 0.0])])
+    x = x.float()
+    xc = x.clamp(-126.0, 126.0)
+    t = xc + 12582912.0
+    f = xc - (t - 12582912.0)
+    q = f * coef[0] + coef[1]
+    for c in coef[2:]:
+        q = q * f + c
+    bits = q.view(torch.int32) + (t.view(torch.int32) << 23)
+    got = bits.view(torch.float32).double()
+    want = torch.exp2(xc.double())
+    rel = ((got - want) / want).abs()
+    assert rel.max().item() < 5e-7, rel.max().item()
+    assert torch.isfinite(got).all() and (got > 0).all()

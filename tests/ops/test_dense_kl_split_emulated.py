@@ -76,7 +76,7 @@ def _emulated_pass_a(qs, ks, dz_in_p, seed=0, timeout=10.0, mutant=None, fused=F
                 if fused:
                     env["dense_kl_pass_a"](*args, KI_AT=min(2, G - 1), **common)
                 else:
-                    env["dense_kl_pass_a_split"](*args, DZ_IN_P=dz_in_p,
+                    env["dense_kl_pass_a_split"](*args, DZ_IN_P=dz_in_p, POLY=False,
                                                  EPILOGUE_REGS=kern.EPILOGUE_REGS, **common)
     return run
 

@@ -58,6 +58,23 @@ def _exp2_ftz(x):
 
 
 @gluon.jit
+def _exp2_poly(x):
+    """``2^x`` on the FMA pipe (no MUFU): ``x`` clamped to [-126, 126], rounded to ``j`` by the
+    1.5 2^23 trick, ``2^(x - j)`` by a degree-5 polynomial on [-0.5, 0.5] (relative error
+    3.7e-7 in fp32 Horner, ``ex2.approx``'s is ~2.4e-7), ``j`` added to the exponent bits."""
+    x = gl.minimum(gl.maximum(x, -126.0), 126.0)
+    t = x + 12582912.0  # 1.5 2^23: x rounded to an integer in the low mantissa bits
+    f = x - (t - 12582912.0)
+    q = f * 0.0013240507105365396 + 0.009663134813308716
+    q = q * f + 0.05550714582204819
+    q = q * f + 0.240223690867424
+    q = q * f + 0.6931470632553101
+    q = q * f + 1.0
+    bits = q.to(gl.int32, bitcast=True) + (t.to(gl.int32, bitcast=True) << 23)
+    return bits.to(gl.float32, bitcast=True)
+
+
+@gluon.jit
 def _producer(q_desc, k_desc, qi_desc, ki_desc, q_smem, k_smem, ki_smem, qi_smem, q_ready,
               q_empty, kv_ready, kv_empty, ki_ready, ki_empty, qi_ready, m, i, g, j, lo, hi,
               G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
@@ -298,7 +315,7 @@ def _producer_split(q_desc, k_desc, qi_desc, ki_desc, q_smem, k_smem, ki_smem, q
 def _teacher_split(lse2_ptr, q_smem, k_smem, p_smem, q_ready, q_empty, kv_ready, kv_empty,
                    p_ready, p_empty, m, i, lo, hi, Tq, scale2, G: gl.constexpr,
                    BM: gl.constexpr, BN: gl.constexpr, QS: gl.constexpr, KS: gl.constexpr,
-                   WARPS: gl.constexpr):
+                   WARPS: gl.constexpr, POLY: gl.constexpr = False):
     """Teacher warpgroup (default partition): per key step ``p = sum_h exp2(S_h scale2 -
     lse2_h)`` over the G heads (each product issued before the previous head's exp2), then
     ``p`` into the hand-off slot once the epilogue has read the previous one."""
@@ -338,7 +355,13 @@ def _teacher_split(lse2_ptr, q_smem, k_smem, p_smem, q_ready, q_empty, kv_ready,
             if jj + 1 == G:
                 mbarrier.arrive(kv_empty.index(slot), count=1)
             lse2 = lse_smem.slice(jj * BM, BM).load(row_l)
-            p += gl.exp2(s * scale2 - lse2[:, None])
+            if POLY and jj % 2 == 1:  # odd columns of odd heads on the FMA pipe (1/4 of all)
+                x = gl.reshape(s * scale2 - lse2[:, None], [BM, BN // 2, 2])
+                xa, xb = gl.split(x)
+                e = gl.reshape(gl.join(gl.exp2(xa), _exp2_poly(xb)), [BM, BN])
+                p += gl.convert_layout(e, s_layout)
+            else:
+                p += gl.exp2(s * scale2 - lse2[:, None])
         mbarrier.wait(p_empty.index(0), (c & 1) ^ 1)  # the epilogue has read step c - 1's p
         p_smem.store(p)
         gl.thread_barrier()
@@ -426,7 +449,8 @@ def dense_kl_pass_a_split(q_desc, k_desc, qi_desc, ki_desc, dz_desc, lse2_ptr, l
                           IPG: gl.constexpr, HPK: gl.constexpr, BM: gl.constexpr,
                           BN: gl.constexpr, D: gl.constexpr, DI: gl.constexpr,
                           QS: gl.constexpr, KS: gl.constexpr, GRAD: gl.constexpr,
-                          DZS: gl.constexpr, DZ_IN_P: gl.constexpr, EPILOGUE_REGS: gl.constexpr,
+                          DZS: gl.constexpr, DZ_IN_P: gl.constexpr, POLY: gl.constexpr,
+                          EPILOGUE_REGS: gl.constexpr,
                           PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """Pass A with the teacher loop and the epilogue in two warpgroups (section comment above);
     program, arguments and results as :func:`dense_kl_pass_a` (``KI_AT`` fixed: ``G - 1``)."""
@@ -470,7 +494,7 @@ def dense_kl_pass_a_split(q_desc, k_desc, qi_desc, ki_desc, dz_desc, lse2_ptr, l
     gl.warp_specialize([
         (_teacher_split, (lse2_ptr, q_smem, k_smem, p_smem, q_ready, q_empty, kv_ready,
                           kv_empty, p_ready, p_empty, m, i, lo, hi, Tq, scale2, G, BM, BN, QS,
-                          KS, num_warps)),
+                          KS, num_warps, POLY)),
         (_epilogue_split, (dz_desc, lsez_ptr, qpos_ptr, qkb_ptr, dq_ptr, klpart_ptr, ki_smem,
                            qi_smem, dz_smem, p_smem, p_ready, p_empty, ki_ready, ki_empty,
                            qi_ready, m, i, lo, hi, ch_lo, Tq, Tq_pad, HI, iscale * LOG2E, BM, BN,

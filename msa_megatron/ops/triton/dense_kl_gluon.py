@@ -71,7 +71,9 @@ PASS_B_RANGE_CHECK = False
 # pass A's Gluon kernel: "fused" (dense_kl_pass_a: one consumer warpgroup runs the heads and
 # each key step's epilogue) or "split" (dense_kl_pass_a_split: teacher and epilogue
 # warpgroups), and its Q / K ring depths
-PASS_A = {"kernel": "split", "q_stages": 4, "kv_stages": 1, "dz_in_p": False}
+# poly: the split teacher computes the odd columns of its odd heads (1/4 of its exp2) by a
+# polynomial on the FMA pipe, interleaved with the MUFU work (untimed: off until an H200 run)
+PASS_A = {"kernel": "split", "q_stages": 4, "kv_stages": 1, "dz_in_p": False, "poly": False}
 
 
 def gluon_kl_supported(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor,
@@ -299,6 +301,8 @@ def split_rings(G: int) -> tuple:
         raise ValueError(f"PASS_A['kv_stages'] must be an int >= 1, got {ks!r}")
     if not isinstance(dz_in_p, bool):
         raise ValueError(f"PASS_A['dz_in_p'] must be a bool, got {dz_in_p!r}")
+    if not isinstance(PASS_A.get("poly", False), bool):
+        raise ValueError(f"PASS_A['poly'] must be a bool, got {PASS_A['poly']!r}")
     return qs, ks, dz_in_p
 
 
@@ -326,7 +330,7 @@ def pass_a_gluon(a: _Launch) -> None:
             a.lse2, a.lse_z, a.q_pos, a.q_kbase, a.n_lo, a.n_hi, a.dq, a.kl_part, a.Tq,
             a.Tq_pad, a.ch_lo, a.ch_hi, a.scale2, a.iscale, HI=a.Hi, G=G, IPG=a.Hi // a.Hkv,
             HPK=a.Hi // a.Hik, BM=a.bm, BN=a.bn, D=D, DI=Di, QS=qs, KS=ks,
-            GRAD=a.grad, DZS=_DZ_SCALE, DZ_IN_P=dz_in_p,
+            GRAD=a.grad, DZS=_DZ_SCALE, DZ_IN_P=dz_in_p, POLY=PASS_A.get("poly", False),
             EPILOGUE_REGS=kern.EPILOGUE_REGS, PRODUCER_REGS=kern.PRODUCER_REGS,
             num_warps=kern.WARPS,
         )

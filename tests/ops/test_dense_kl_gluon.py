@@ -360,9 +360,9 @@ def test_split_rings_refuse_a_ring_that_hangs(monkeypatch, rings, G, match):
 
 def test_split_rings_accept_the_checked_configs(monkeypatch):
     assert dkg.split_rings(16) == (dkg.PASS_A["q_stages"], dkg.PASS_A["kv_stages"],
-                                   dkg.PASS_A["dz_in_p"])
+                                   dkg.PASS_A["dz_in_p"], dkg.PASS_A["poly"])
     monkeypatch.setattr(dkg, "PASS_A", dict(dkg.PASS_A, q_stages=1, kv_stages=2, dz_in_p=True))
-    assert dkg.split_rings(1) == (1, 2, True)
+    assert dkg.split_rings(1) == (1, 2, True, False)
 
 
 def _ftz(x):

@@ -75,13 +75,24 @@ def _exp2_poly(x):
 
 
 @gluon.jit
+def _barriers(N: gl.constexpr):
+    """``N`` mbarriers in shared memory (``[N, 1]``), each initialised with count 1."""
+    bars = gl.allocate_shared_memory(gl.int64, [N, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(N):
+        mbarrier.init(bars.index(s), count=1)
+    return bars
+
+
+@gluon.jit
 def _producer(q_desc, k_desc, qi_desc, ki_desc, q_smem, k_smem, ki_smem, qi_smem, q_ready,
               q_empty, kv_ready, kv_empty, ki_ready, ki_empty, qi_ready, m, i, g, j, lo, hi,
               G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
               DI: gl.constexpr, QS: gl.constexpr, KS: gl.constexpr, KI_AT: gl.constexpr):
     """Producer partition (1 warp): TMA loads into the rings, each once its slot is free. The
-    ``k_idx`` tile has one slot (shared memory), loaded after the step's first two Q tiles (so
-    those are not held up by the previous step's end, which frees it)."""
+    ``k_idx`` tile has one slot (shared memory), loaded before Q tile ``KI_AT`` of the step: the
+    fused kernel loads it after the step's first two Q tiles (so those are not held up by the
+    previous step's end, which frees it), the split kernel before the last one (its slot frees
+    when the epilogue of the previous step ends)."""
     if hi > lo:
         mbarrier.expect(qi_ready.index(0), qi_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(qi_desc, [m * BM, i * DI], qi_ready.index(0), qi_smem)
@@ -227,22 +238,9 @@ def dense_kl_pass_a(q_desc, k_desc, qi_desc, ki_desc, dz_desc, lse2_ptr, lsez_pt
     ki_smem = gl.allocate_shared_memory(ki_desc.dtype, [BN, DI], ki_desc.layout)
     qi_smem = gl.allocate_shared_memory(qi_desc.dtype, [BM, DI], qi_desc.layout)
     dz_smem = gl.allocate_shared_memory(dz_desc.dtype, [BM, BN], dz_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [QS, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [QS, 1], mbarrier.MBarrierLayout())
-    kv_ready = gl.allocate_shared_memory(gl.int64, [KS, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [KS, 1], mbarrier.MBarrierLayout())
-    ki_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    ki_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    qi_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(QS):
-        mbarrier.init(q_ready.index(s), count=1)
-        mbarrier.init(q_empty.index(s), count=1)
-    for s in gl.static_range(KS):
-        mbarrier.init(kv_ready.index(s), count=1)
-        mbarrier.init(kv_empty.index(s), count=1)
-    mbarrier.init(ki_ready.index(0), count=1)
-    mbarrier.init(ki_empty.index(0), count=1)
-    mbarrier.init(qi_ready.index(0), count=1)
+    q_ready, q_empty = _barriers(QS), _barriers(QS)
+    kv_ready, kv_empty = _barriers(KS), _barriers(KS)
+    ki_ready, ki_empty, qi_ready = _barriers(1), _barriers(1), _barriers(1)
     fence_async_shared()
     gl.warp_specialize([
         (_consumer, (dz_desc, lse2_ptr, lsez_ptr, qpos_ptr, qkb_ptr, dq_ptr, klpart_ptr, q_smem,
@@ -263,8 +261,9 @@ def dense_kl_pass_a(q_desc, k_desc, qi_desc, ki_desc, dz_desc, lse2_ptr, lsez_pt
 # Here the teacher warpgroup (default partition) only runs the head loop and hands the step's
 # unmasked teacher sum ``p`` (fp32, one shared slot) to an epilogue warpgroup (worker), which
 # runs the rest of step ``n`` while the teacher computes step ``n + 1``; ``dq_idx``'s partial
-# stays in the epilogue's registers. The producer warp loads ``k_idx`` of step ``n`` just before
-# the step's last Q tile: its one slot frees when the epilogue of step ``n - 1`` ends.
+# stays in the epilogue's registers. The producer warp (``_producer``, ``KI_AT = G - 1``) loads
+# ``k_idx`` of step ``n`` just before the step's last Q tile: its one slot frees when the
+# epilogue of step ``n - 1`` ends.
 
 
 @gluon.jit
@@ -277,38 +276,6 @@ def _q_slot(c, jj: gl.constexpr, G: gl.constexpr, QS: gl.constexpr):
         return jj % QS, (c + jj // QS) & 1
     qc = c * G + jj
     return qc % QS, (qc // QS) & 1
-
-
-@gluon.jit
-def _producer_split(q_desc, k_desc, qi_desc, ki_desc, q_smem, k_smem, ki_smem, qi_smem, q_ready,
-                    q_empty, kv_ready, kv_empty, ki_ready, ki_empty, qi_ready, m, i, g, j, lo, hi,
-                    G: gl.constexpr, BM: gl.constexpr, D: gl.constexpr, DI: gl.constexpr,
-                    BN: gl.constexpr, QS: gl.constexpr, KS: gl.constexpr):
-    """Producer (1 warp): ``q_idx`` once; per key step K into ring slot ``c % KS``, the G Q
-    tiles into the Q ring, ``k_idx`` before the last of them (TMA, mbarriers)."""
-    if hi > lo:
-        mbarrier.expect(qi_ready.index(0), qi_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(qi_desc, [m * BM, i * DI], qi_ready.index(0), qi_smem)
-    qc = 0
-    for n in range(lo, hi):
-        c = n - lo
-        slot = c % KS
-        mbarrier.wait(kv_empty.index(slot), ((c // KS) & 1) ^ 1)  # first round: passes
-        mbarrier.expect(kv_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [n * BN, g * D], kv_ready.index(slot),
-                                        k_smem.index(slot))
-        for jj in range(G):
-            if jj == G - 1:
-                mbarrier.wait(ki_empty.index(0), (c & 1) ^ 1)
-                mbarrier.expect(ki_ready.index(0), ki_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(ki_desc, [n * BN, j * DI], ki_ready.index(0),
-                                                ki_smem)
-            qs = qc % QS
-            mbarrier.wait(q_empty.index(qs), ((qc // QS) & 1) ^ 1)
-            mbarrier.expect(q_ready.index(qs), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [m * BM, (i * G + jj) * D],
-                                            q_ready.index(qs), q_smem.index(qs))
-            qc += 1
 
 
 @gluon.jit
@@ -470,26 +437,10 @@ def dense_kl_pass_a_split(q_desc, k_desc, qi_desc, ki_desc, dz_desc, lse2_ptr, l
         dz_smem = p_smem._reinterpret(dz_desc.dtype, [2 * BM, BN], dz_desc.layout).slice(0, BM)
     else:
         dz_smem = gl.allocate_shared_memory(dz_desc.dtype, [BM, BN], dz_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [QS, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [QS, 1], mbarrier.MBarrierLayout())
-    kv_ready = gl.allocate_shared_memory(gl.int64, [KS, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [KS, 1], mbarrier.MBarrierLayout())
-    ki_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    ki_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    qi_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    p_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    p_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(QS):
-        mbarrier.init(q_ready.index(s), count=1)
-        mbarrier.init(q_empty.index(s), count=1)
-    for s in gl.static_range(KS):
-        mbarrier.init(kv_ready.index(s), count=1)
-        mbarrier.init(kv_empty.index(s), count=1)
-    mbarrier.init(ki_ready.index(0), count=1)
-    mbarrier.init(ki_empty.index(0), count=1)
-    mbarrier.init(qi_ready.index(0), count=1)
-    mbarrier.init(p_ready.index(0), count=1)
-    mbarrier.init(p_empty.index(0), count=1)
+    q_ready, q_empty = _barriers(QS), _barriers(QS)
+    kv_ready, kv_empty = _barriers(KS), _barriers(KS)
+    ki_ready, ki_empty, qi_ready = _barriers(1), _barriers(1), _barriers(1)
+    p_ready, p_empty = _barriers(1), _barriers(1)
     fence_async_shared()
     gl.warp_specialize([
         (_teacher_split, (lse2_ptr, q_smem, k_smem, p_smem, q_ready, q_empty, kv_ready,
@@ -499,7 +450,7 @@ def dense_kl_pass_a_split(q_desc, k_desc, qi_desc, ki_desc, dz_desc, lse2_ptr, l
                            qi_smem, dz_smem, p_smem, p_ready, p_empty, ki_ready, ki_empty,
                            qi_ready, m, i, lo, hi, ch_lo, Tq, Tq_pad, HI, iscale * LOG2E, BM, BN,
                            DI, GRAD, DZS, DZ_IN_P, 4)),
-        (_producer_split, (q_desc, k_desc, qi_desc, ki_desc, q_smem, k_smem, ki_smem, qi_smem,
-                           q_ready, q_empty, kv_ready, kv_empty, ki_ready, ki_empty, qi_ready, m,
-                           i, i // IPG, i // HPK, lo, hi, G, BM, D, DI, BN, QS, KS)),
+        (_producer, (q_desc, k_desc, qi_desc, ki_desc, q_smem, k_smem, ki_smem, qi_smem,
+                     q_ready, q_empty, kv_ready, kv_empty, ki_ready, ki_empty, qi_ready, m, i,
+                     i // IPG, i // HPK, lo, hi, G, BM, BN, D, DI, QS, KS, G - 1)),
     ], [4, 1], [EPILOGUE_REGS, PRODUCER_REGS])

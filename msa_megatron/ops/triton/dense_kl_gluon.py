@@ -288,11 +288,11 @@ def pass_a_torch(a: _Launch) -> None:
 
 
 def split_rings(G: int) -> tuple:
-    """``(QS, KS, DZ_IN_P)`` of the split pass A (:data:`PASS_A`, read at each call) for ``G``
+    """``(QS, KS, DZ_IN_P, POLY)`` of the split pass A (:data:`PASS_A`, read at each call) for ``G``
     query heads per index head. ValueError naming the key unless ``q_stages`` and
     ``kv_stages`` are ints >= 1, ``q_stages >= 2`` when ``G >= 2`` (the teacher waits for
     head ``jj + 1``'s Q tile before it releases head ``jj``'s slot: one slot would hang the
-    GPU) and ``dz_in_p`` a bool."""
+    GPU) and ``dz_in_p`` and ``poly`` (default False) bools."""
     qs, ks, dz_in_p = PASS_A["q_stages"], PASS_A["kv_stages"], PASS_A["dz_in_p"]
     if not isinstance(qs, int) or qs < (2 if G >= 2 else 1):
         raise ValueError(f"PASS_A['q_stages'] must be an int >= {2 if G >= 2 else 1} for "
@@ -301,9 +301,10 @@ def split_rings(G: int) -> tuple:
         raise ValueError(f"PASS_A['kv_stages'] must be an int >= 1, got {ks!r}")
     if not isinstance(dz_in_p, bool):
         raise ValueError(f"PASS_A['dz_in_p'] must be a bool, got {dz_in_p!r}")
-    if not isinstance(PASS_A.get("poly", False), bool):
-        raise ValueError(f"PASS_A['poly'] must be a bool, got {PASS_A['poly']!r}")
-    return qs, ks, dz_in_p
+    poly = PASS_A.get("poly", False)
+    if not isinstance(poly, bool):
+        raise ValueError(f"PASS_A['poly'] must be a bool, got {poly!r}")
+    return qs, ks, dz_in_p, poly
 
 
 def pass_a_gluon(a: _Launch) -> None:
@@ -323,14 +324,14 @@ def pass_a_gluon(a: _Launch) -> None:
     D, Di = a.q.shape[2], a.q_idx.shape[2]
     G = a.Hq // a.Hi
     if PASS_A["kernel"] == "split":
-        qs, ks, dz_in_p = split_rings(G)
+        qs, ks, dz_in_p, poly = split_rings(G)
         kern.dense_kl_pass_a_split[(len(a.n_lo), a.Hi)](
             desc(a.q, [a.bm, D]), desc(a.k, [a.bn, D]), desc(a.q_idx, [a.bm, Di]),
             desc(a.k_idx, [a.bn, Di]), desc(a.dz_buf.view(-1, a.dz_buf.shape[-1]), [a.bm, a.bn]),
             a.lse2, a.lse_z, a.q_pos, a.q_kbase, a.n_lo, a.n_hi, a.dq, a.kl_part, a.Tq,
             a.Tq_pad, a.ch_lo, a.ch_hi, a.scale2, a.iscale, HI=a.Hi, G=G, IPG=a.Hi // a.Hkv,
             HPK=a.Hi // a.Hik, BM=a.bm, BN=a.bn, D=D, DI=Di, QS=qs, KS=ks,
-            GRAD=a.grad, DZS=_DZ_SCALE, DZ_IN_P=dz_in_p, POLY=PASS_A.get("poly", False),
+            GRAD=a.grad, DZS=_DZ_SCALE, DZ_IN_P=dz_in_p, POLY=poly,
             EPILOGUE_REGS=kern.EPILOGUE_REGS, PRODUCER_REGS=kern.PRODUCER_REGS,
             num_warps=kern.WARPS,
         )

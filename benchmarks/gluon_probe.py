@@ -700,6 +700,9 @@ def _compiled(name: str, source, options: dict, bm: int, bn: int) -> dict:
     from sass_check import sass_text, uninitialized_uniform_reads
 
     sass = sass_text(kernel.asm["cubin"]) or ""
+    if os.environ.get("SASS_DUMP"):  # write the SASS to this file (reading spills, loops)
+        with open(os.environ["SASS_DUMP"], "w") as f:
+            f.write(sass)
     maxnreg = sorted({int(r) for r in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned"
                                                  r"\.u32\s+(\d+)", kernel.asm["ptx"])})
     return dict(kernel=name, block_m=bm, block_n=bn, shared=kernel.metadata.shared,
@@ -807,7 +810,9 @@ def compile_kl_sm90(name: str) -> dict:
         constants["QS"] = int(os.environ.get("KLS_QS", PASS_A["q_stages"]))
         constants["KS"] = int(os.environ.get("KLS_KS", PASS_A["kv_stages"]))
         constants["DZ_IN_P"] = os.environ.get("KLS_DZ_IN_P", str(int(PASS_A["dz_in_p"]))) == "1"
-        constants["POLY"] = os.environ.get("KLS_POLY", str(int(PASS_A.get("poly", False)))) == "1"
+        constants["POLY"] = int(os.environ.get("KLS_POLY", PASS_A.get("poly", 0)))
+        constants["EPI_POLY"] = os.environ.get("KLS_EPI_POLY",
+                                               str(int(PASS_A.get("epi_poly", False)))) == "1"
     attrs = {(j,): [["tt.divisibility", 16]] for j in range(5, 13)}
     source = GluonASTSource(kernel,
                             dict(signature, **{c: "constexpr" for c in constants}), constants,
@@ -987,8 +992,10 @@ def run_kl(path: str, token_counts, timeout: float,
 
 
 def apply_pass_a_env() -> None:
-    """``KL_PASS_A=KERNEL[:Q_STAGES:KV_STAGES[:p][:poly]]`` (``fused`` / ``split``; ``p``: dz
-    staged in the p slot; ``poly``: a quarter of the teacher's exp2 by polynomial) sets ``dense_kl_gluon.PASS_A`` for this process (the kl children inherit it)."""
+    """``KL_PASS_A=KERNEL[:Q_STAGES:KV_STAGES[:p][:polyN][:epoly]]`` (``fused`` / ``split``;
+    ``p``: dz staged in the p slot; ``polyN``: every N-th teacher head's exp2 by polynomial;
+    ``epoly``: the epilogue's exp2 by polynomial) sets ``dense_kl_gluon.PASS_A`` for this
+    process (the kl children inherit it)."""
     from msa_megatron.ops.triton import dense_kl_gluon as dkg
 
     if os.environ.get("KL_LSE_Z"):  # "finite" / "general": dense_kl_gluon.LSE_Z_KERNEL
@@ -1002,7 +1009,9 @@ def apply_pass_a_env() -> None:
     if stages:
         dkg.PASS_A["q_stages"], dkg.PASS_A["kv_stages"] = map(int, stages[:2])
     dkg.PASS_A["dz_in_p"] = "p" in stages[2:]
-    dkg.PASS_A["poly"] = "poly" in stages[2:]
+    polys = [int(x[4:]) for x in stages[2:] if x.startswith("poly")]
+    dkg.PASS_A["poly"] = polys[-1] if polys else 0
+    dkg.PASS_A["epi_poly"] = "epoly" in stages[2:]
 
 
 def run_kl_child(child: str, path: str, token_counts) -> int:

@@ -41,11 +41,13 @@ def _mutate(env, fn, edits):
     exec(compile(src, f"<mutant {fn.fn.__name__}>", "exec"), env)
 
 
-def _emulated_pass_a(qs, ks, dz_in_p, seed=0, timeout=10.0, mutant=None, fused=False):
+def _emulated_pass_a(qs, ks, dz_in_p, seed=0, timeout=10.0, mutant=None, fused=False, poly=0,
+                     epi_poly=False):
     """A ``pass_a`` for :func:`.dense_kl_gluon.dense_kl_chunked`: the split kernel's source
     under :class:`gluon_emu.Emulator`, launched as :func:`.dense_kl_gluon.pass_a_gluon` does;
     ``mutant``: ``(function name, edits)`` for :func:`_mutate`; ``fused``: the fused kernel
-    (``dense_kl_pass_a``, ``PASS_A["kernel"] = "fused"``) instead."""
+    (``dense_kl_pass_a``, ``PASS_A["kernel"] = "fused"``) instead; ``poly``, ``epi_poly``: the
+    split kernel's polynomial exp2 options (``PASS_A``), run as written (not overridden)."""
     from msa_megatron.ops.triton import _dense_kl_gluon_kernels as kern
 
     def run(a):
@@ -61,7 +63,7 @@ def _emulated_pass_a(qs, ks, dz_in_p, seed=0, timeout=10.0, mutant=None, fused=F
         D, Di = a.q.shape[2], a.q_idx.shape[2]
         G = a.Hq // a.Hi
         P = gluon_emu.Ptr
-        grid = (len(a.n_lo), a.Hi)
+        grid = (a.Hi, len(a.n_lo))
         args = (desc(a.q, [a.bm, D]), desc(a.k, [a.bn, D]), desc(a.q_idx, [a.bm, Di]),
                 desc(a.k_idx, [a.bn, Di]),
                 desc(a.dz_buf.view(-1, a.dz_buf.shape[-1]), [a.bm, a.bn]),
@@ -76,7 +78,8 @@ def _emulated_pass_a(qs, ks, dz_in_p, seed=0, timeout=10.0, mutant=None, fused=F
                 if fused:
                     env["dense_kl_pass_a"](*args, KI_AT=min(2, G - 1), **common)
                 else:
-                    env["dense_kl_pass_a_split"](*args, DZ_IN_P=dz_in_p, POLY=False,
+                    env["dense_kl_pass_a_split"](*args, DZ_IN_P=dz_in_p, POLY=poly,
+                                                 EPI_POLY=epi_poly,
                                                  EPILOGUE_REGS=kern.EPILOGUE_REGS, **common)
     return run
 
@@ -110,6 +113,21 @@ def test_split_kernel_source_matches_the_torch_pass_a(G, qs, ks, dz_in_p):
     kw = dict(bm=16, bn=32, budget=2 * 128 * 4 * 64, dz_fill=float("nan"))
     want = _run(x, dkg.pass_a_torch, **kw)
     got = _run(x, _emulated_pass_a(qs, ks, dz_in_p, seed=G * 10 + qs), **kw)
+    _close(got, want, True)
+
+
+@pytest.mark.parametrize("G,poly,epi_poly", [(16, 4, True), (4, 3, False), (2, 1, True),
+                                             (8, 0, True)])
+def test_split_kernel_polynomial_exp2_matches_the_torch_pass_a(G, poly, epi_poly):
+    """``PASS_A["poly"]`` (every ``poly``-th teacher head's exp2 by the FMA-pipe polynomial)
+    and ``["epi_poly"]`` (the epilogue's student exp2 by it, 0 below 2^-126 and outside the
+    support): the emulated kernel, polynomial replayed in torch as written, equals the torch
+    stand-in on packed documents with gradients (masked entries and rows past Tq included)."""
+    x = _case([40, 5, 70], (2 * G, 2, 2, 1), dtype=torch.float16, seed=G + poly)
+    kw = dict(bm=16, bn=32, budget=2 * 128 * 4 * 64, dz_fill=float("nan"))
+    want = _run(x, dkg.pass_a_torch, **kw)
+    got = _run(x, _emulated_pass_a(4 if G > 1 else 1, 1, False, seed=G, poly=poly,
+                                   epi_poly=epi_poly), **kw)
     _close(got, want, True)
 
 

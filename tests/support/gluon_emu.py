@@ -48,6 +48,12 @@ class Val(torch.Tensor):
     def __imul__(self, other):
         return torch.Tensor.__mul__(self, other)
 
+    def to(self, dtype, bitcast=False, **kwargs):
+        """Gluon's ``x.to(dtype, bitcast=True)``: the same bits read as ``dtype``."""
+        if bitcast:
+            return _val(torch.Tensor.view(self.as_subclass(torch.Tensor), dtype))
+        return torch.Tensor.to(self, dtype, **kwargs)
+
 
 def _val(t: torch.Tensor) -> Val:
     return t.as_subclass(Val)
@@ -183,12 +189,12 @@ class Emulator:
             return isinstance(x, (int, float))
 
         def maximum(a, b):
-            return max(a, b) if _num(a) and _num(b) else torch.maximum(torch.as_tensor(a),
-                                                                       torch.as_tensor(b))
+            return max(a, b) if _num(a) and _num(b) else _val(torch.maximum(
+                torch.as_tensor(a), torch.as_tensor(b)))
 
         def minimum(a, b):
-            return min(a, b) if _num(a) and _num(b) else torch.minimum(torch.as_tensor(a),
-                                                                       torch.as_tensor(b))
+            return min(a, b) if _num(a) and _num(b) else _val(torch.minimum(
+                torch.as_tensor(a), torch.as_tensor(b)))
 
         def allocate_shared_memory(dtype, shape, layout, value=None):
             if isinstance(layout, _BarrierLayout):

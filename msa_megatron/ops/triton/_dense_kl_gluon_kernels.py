@@ -2,7 +2,7 @@
 
 Imported only when Gluon's Hopper modules are importable
 (:func:`.dense_kl_gluon.gluon_kl_supported`).
-Program = (query tile ``m`` of ``BM = 64`` rows, index head ``i``) over the key tiles
+Program = (index head ``i``, query tile ``m`` of ``BM = 64`` rows) over the key tiles
 ``[lo, hi)`` of its range met with the current key chunk. Built on the probe kernel
 ``gluon_bn128`` of ``benchmarks/gluon_probe.py`` (its traps apply: heads unrolled by
 ``static_range``, no product in flight across the key loop's back edge, a thread barrier before
@@ -59,10 +59,12 @@ def _exp2_ftz(x):
 
 @gluon.jit
 def _exp2_poly(x):
-    """``2^x`` on the FMA pipe (no MUFU): ``x`` clamped to [-126, 126], rounded to ``j`` by the
+    """``2^x`` on the FMA pipe (no MUFU): ``x`` clamped below at -126, rounded to ``j`` by the
     1.5 2^23 trick, ``2^(x - j)`` by a degree-5 polynomial on [-0.5, 0.5] (relative error
-    3.7e-7 in fp32 Horner, ``ex2.approx``'s is ~2.4e-7), ``j`` added to the exponent bits."""
-    x = gl.minimum(gl.maximum(x, -126.0), 126.0)
+    3.7e-7 in fp32 Horner, ``ex2.approx``'s is ~2.4e-7), ``j`` added to the exponent bits.
+    ``x > 127`` gives an arbitrary bit pattern: only for values the callers mask (the teacher
+    and student outside the support, which ``gl.where`` discards)."""
+    x = gl.maximum(x, -126.0)
     t = x + 12582912.0  # 1.5 2^23: x rounded to an integer in the low mantissa bits
     f = x - (t - 12582912.0)
     q = f * 0.0013240507105365396 + 0.009663134813308716
@@ -229,8 +231,10 @@ def dense_kl_pass_a(q_desc, k_desc, qi_desc, ki_desc, dz_desc, lse2_ptr, lsez_pt
     """Program (query tile ``m``, index head ``i``; the last query tiles first): key tiles
     ``[max(n_lo[m], ch_lo), min(n_hi[m], ch_hi))``; rings and barriers, then the consumer
     (default partition) and the producer (1 worker warp)."""
-    m = gl.num_programs(0) - 1 - gl.program_id(0)
-    i = gl.program_id(1)
+    # grid (Hi, query tiles): the index heads of a query tile run side by side, the longest
+    # query tiles (the causal triangle's last rows) first: the launch's tail is its shortest
+    i = gl.program_id(0)
+    m = gl.num_programs(1) - 1 - gl.program_id(1)
     lo = gl.maximum(gl.load(nlo_ptr + m), ch_lo)
     hi = gl.minimum(gl.load(nhi_ptr + m), ch_hi)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [QS, BM, D], q_desc.layout)
@@ -282,7 +286,7 @@ def _q_slot(c, jj: gl.constexpr, G: gl.constexpr, QS: gl.constexpr):
 def _teacher_split(lse2_ptr, q_smem, k_smem, p_smem, q_ready, q_empty, kv_ready, kv_empty,
                    p_ready, p_empty, m, i, lo, hi, Tq, scale2, G: gl.constexpr,
                    BM: gl.constexpr, BN: gl.constexpr, QS: gl.constexpr, KS: gl.constexpr,
-                   WARPS: gl.constexpr, POLY: gl.constexpr = False):
+                   WARPS: gl.constexpr, POLY: gl.constexpr = 0):
     """Teacher warpgroup (default partition): per key step ``p = sum_h exp2(S_h scale2 -
     lse2_h)`` over the G heads (each product issued before the previous head's exp2), then
     ``p`` into the hand-off slot once the epilogue has read the previous one."""
@@ -322,11 +326,8 @@ def _teacher_split(lse2_ptr, q_smem, k_smem, p_smem, q_ready, q_empty, kv_ready,
             if jj + 1 == G:
                 mbarrier.arrive(kv_empty.index(slot), count=1)
             lse2 = lse_smem.slice(jj * BM, BM).load(row_l)
-            if POLY and jj % 2 == 1:  # odd columns of odd heads on the FMA pipe (1/4 of all)
-                x = gl.reshape(s * scale2 - lse2[:, None], [BM, BN // 2, 2])
-                xa, xb = gl.split(x)
-                e = gl.reshape(gl.join(gl.exp2(xa), _exp2_poly(xb)), [BM, BN])
-                p += gl.convert_layout(e, s_layout)
+            if POLY > 0 and jj % POLY == POLY - 1:  # every POLY-th head on the FMA pipe
+                p += _exp2_poly(s * scale2 - lse2[:, None])
             else:
                 p += gl.exp2(s * scale2 - lse2[:, None])
         mbarrier.wait(p_empty.index(0), (c & 1) ^ 1)  # the epilogue has read step c - 1's p
@@ -340,7 +341,7 @@ def _epilogue_split(dz_desc, lsez_ptr, qpos_ptr, qkb_ptr, dq_ptr, klpart_ptr, ki
                     dz_smem, p_smem, p_ready, p_empty, ki_ready, ki_empty, qi_ready, m, i, lo,
                     hi, ch_lo, Tq, Tq_pad, HI, iscale2, BM: gl.constexpr, BN: gl.constexpr,
                     DI: gl.constexpr, GRAD: gl.constexpr, DZS: gl.constexpr,
-                    DZ_IN_P: gl.constexpr, WARPS: gl.constexpr):
+                    DZ_IN_P: gl.constexpr, WARPS: gl.constexpr, EPI_POLY: gl.constexpr = False):
     """Epilogue warpgroup (worker): per key step the student product ``z = q_idx k_idx^T``, the
     support mask, the KL partial (log2 units, times ln 2 at the end), ``dz = Qs - T`` (times
     ``DZS``, rounded to the input dtype) stored to the chunk's buffer by TMA and ``acc += dz
@@ -382,7 +383,12 @@ def _epilogue_split(dz_desc, lsez_ptr, qpos_ptr, qkb_ptr, dq_ptr, klpart_ptr, ki
         # T = 0 inside the support (underflow) adds 0 too: 0 * lg2(tiny) is 0
         kl_rows += gl.sum(teacher * (_log2_ftz(gl.maximum(teacher, 1e-37)) - l2qs), axis=1)
         if GRAD:
-            dz = ((_exp2_ftz(l2qs) - teacher) * DZS).to(qi_smem.dtype)
+            if EPI_POLY:  # the student's exp2 on the FMA pipe (the teacher's MUFU is busy);
+                # 0 below 2^-126 as ex2.approx.ftz (outside the support too: l2qs = -1e30)
+                qs2 = gl.where(l2qs > -126.0, _exp2_poly(l2qs), 0.0)
+            else:
+                qs2 = _exp2_ftz(l2qs)
+            dz = ((qs2 - teacher) * DZS).to(qi_smem.dtype)
             tma.store_wait(0)  # the previous step's store has read dz_smem
             gl.thread_barrier()
             dz_smem.store(dz)
@@ -417,12 +423,14 @@ def dense_kl_pass_a_split(q_desc, k_desc, qi_desc, ki_desc, dz_desc, lse2_ptr, l
                           BN: gl.constexpr, D: gl.constexpr, DI: gl.constexpr,
                           QS: gl.constexpr, KS: gl.constexpr, GRAD: gl.constexpr,
                           DZS: gl.constexpr, DZ_IN_P: gl.constexpr, POLY: gl.constexpr,
-                          EPILOGUE_REGS: gl.constexpr,
+                          EPI_POLY: gl.constexpr, EPILOGUE_REGS: gl.constexpr,
                           PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """Pass A with the teacher loop and the epilogue in two warpgroups (section comment above);
     program, arguments and results as :func:`dense_kl_pass_a` (``KI_AT`` fixed: ``G - 1``)."""
-    m = gl.num_programs(0) - 1 - gl.program_id(0)
-    i = gl.program_id(1)
+    # grid (Hi, query tiles): the index heads of a query tile run side by side, the longest
+    # query tiles (the causal triangle's last rows) first: the launch's tail is its shortest
+    i = gl.program_id(0)
+    m = gl.num_programs(1) - 1 - gl.program_id(1)
     lo = gl.maximum(gl.load(nlo_ptr + m), ch_lo)
     hi = gl.minimum(gl.load(nhi_ptr + m), ch_hi)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [QS, BM, D], q_desc.layout)
@@ -449,7 +457,7 @@ def dense_kl_pass_a_split(q_desc, k_desc, qi_desc, ki_desc, dz_desc, lse2_ptr, l
         (_epilogue_split, (dz_desc, lsez_ptr, qpos_ptr, qkb_ptr, dq_ptr, klpart_ptr, ki_smem,
                            qi_smem, dz_smem, p_smem, p_ready, p_empty, ki_ready, ki_empty,
                            qi_ready, m, i, lo, hi, ch_lo, Tq, Tq_pad, HI, iscale * LOG2E, BM, BN,
-                           DI, GRAD, DZS, DZ_IN_P, 4)),
+                           DI, GRAD, DZS, DZ_IN_P, 4, EPI_POLY)),
         (_producer, (q_desc, k_desc, qi_desc, ki_desc, q_smem, k_smem, ki_smem, qi_smem,
                      q_ready, q_empty, kv_ready, kv_empty, ki_ready, ki_empty, qi_ready, m, i,
                      i // IPG, i // HPK, lo, hi, G, BM, BN, D, DI, QS, KS, G - 1)),

@@ -10,7 +10,8 @@ Two passes per **key chunk** ``[c0, c0 + C)`` (``C`` bounds the ``dz`` buffer, d
 :data:`DZ_BUDGET_BYTES`), launched in order:
 
 - **pass A** (query-tile-outer; Gluon on the GPU, :mod:`._dense_kl_gluon_kernels`; a torch
-  emulation for CPU tests): program (query tile ``m`` of ``BM`` rows, index head ``i``) walks
+  emulation for CPU tests): program (index head ``i``, query tile ``m`` of ``BM`` rows; the
+  heads of a tile side by side, the last tiles first) walks
   its key tiles ``[n_lo[m], n_hi[m])`` met with the chunk; adds its KL partial, adds ``dz k_idx``
   to the fp32 ``dq_idx`` (load + add + store; one program per rows and head per launch) and
   stores ``dz`` (times :data:`~.dense_kl._DZ_SCALE`, input dtype) into ``dz_buf [Hi, Tq_pad, C]``.
@@ -71,9 +72,11 @@ PASS_B_RANGE_CHECK = False
 # pass A's Gluon kernel: "fused" (dense_kl_pass_a: one consumer warpgroup runs the heads and
 # each key step's epilogue) or "split" (dense_kl_pass_a_split: teacher and epilogue
 # warpgroups), and its Q / K ring depths
-# poly: the split teacher computes the odd columns of its odd heads (1/4 of its exp2) by a
-# polynomial on the FMA pipe, interleaved with the MUFU work (untimed: off until an H200 run)
-PASS_A = {"kernel": "split", "q_stages": 4, "kv_stages": 1, "dz_in_p": False, "poly": False}
+# poly: 0, or N: the split teacher computes every N-th head's exp2 (heads jj % N == N - 1) by a
+# polynomial on the FMA pipe; epi_poly: the epilogue's student exp2 by the polynomial (the MUFU
+# the teacher waits on is shared by both warpgroups). Off until an H200 run times them.
+PASS_A = {"kernel": "split", "q_stages": 4, "kv_stages": 1, "dz_in_p": False, "poly": 0,
+          "epi_poly": False}
 
 
 def gluon_kl_supported(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor,
@@ -288,11 +291,12 @@ def pass_a_torch(a: _Launch) -> None:
 
 
 def split_rings(G: int) -> tuple:
-    """``(QS, KS, DZ_IN_P, POLY)`` of the split pass A (:data:`PASS_A`, read at each call) for ``G``
-    query heads per index head. ValueError naming the key unless ``q_stages`` and
-    ``kv_stages`` are ints >= 1, ``q_stages >= 2`` when ``G >= 2`` (the teacher waits for
+    """``(QS, KS, DZ_IN_P, POLY, EPI_POLY)`` of the split pass A (:data:`PASS_A`, read at each
+    call) for ``G`` query heads per index head. ValueError naming the key unless ``q_stages``
+    and ``kv_stages`` are ints >= 1, ``q_stages >= 2`` when ``G >= 2`` (the teacher waits for
     head ``jj + 1``'s Q tile before it releases head ``jj``'s slot: one slot would hang the
-    GPU) and ``dz_in_p`` and ``poly`` (default False) bools."""
+    GPU), ``dz_in_p`` and ``epi_poly`` (default False) bools and ``poly`` (default 0) an int
+    >= 0."""
     qs, ks, dz_in_p = PASS_A["q_stages"], PASS_A["kv_stages"], PASS_A["dz_in_p"]
     if not isinstance(qs, int) or qs < (2 if G >= 2 else 1):
         raise ValueError(f"PASS_A['q_stages'] must be an int >= {2 if G >= 2 else 1} for "
@@ -301,10 +305,12 @@ def split_rings(G: int) -> tuple:
         raise ValueError(f"PASS_A['kv_stages'] must be an int >= 1, got {ks!r}")
     if not isinstance(dz_in_p, bool):
         raise ValueError(f"PASS_A['dz_in_p'] must be a bool, got {dz_in_p!r}")
-    poly = PASS_A.get("poly", False)
-    if not isinstance(poly, bool):
-        raise ValueError(f"PASS_A['poly'] must be a bool, got {poly!r}")
-    return qs, ks, dz_in_p, poly
+    poly, epi_poly = PASS_A.get("poly", 0), PASS_A.get("epi_poly", False)
+    if isinstance(poly, bool) or not isinstance(poly, int) or poly < 0:
+        raise ValueError(f"PASS_A['poly'] must be an int >= 0 (0: off), got {poly!r}")
+    if not isinstance(epi_poly, bool):
+        raise ValueError(f"PASS_A['epi_poly'] must be a bool, got {epi_poly!r}")
+    return qs, ks, dz_in_p, poly, epi_poly
 
 
 def pass_a_gluon(a: _Launch) -> None:
@@ -324,21 +330,21 @@ def pass_a_gluon(a: _Launch) -> None:
     D, Di = a.q.shape[2], a.q_idx.shape[2]
     G = a.Hq // a.Hi
     if PASS_A["kernel"] == "split":
-        qs, ks, dz_in_p, poly = split_rings(G)
-        kern.dense_kl_pass_a_split[(len(a.n_lo), a.Hi)](
+        qs, ks, dz_in_p, poly, epi_poly = split_rings(G)
+        kern.dense_kl_pass_a_split[(a.Hi, len(a.n_lo))](
             desc(a.q, [a.bm, D]), desc(a.k, [a.bn, D]), desc(a.q_idx, [a.bm, Di]),
             desc(a.k_idx, [a.bn, Di]), desc(a.dz_buf.view(-1, a.dz_buf.shape[-1]), [a.bm, a.bn]),
             a.lse2, a.lse_z, a.q_pos, a.q_kbase, a.n_lo, a.n_hi, a.dq, a.kl_part, a.Tq,
             a.Tq_pad, a.ch_lo, a.ch_hi, a.scale2, a.iscale, HI=a.Hi, G=G, IPG=a.Hi // a.Hkv,
             HPK=a.Hi // a.Hik, BM=a.bm, BN=a.bn, D=D, DI=Di, QS=qs, KS=ks,
-            GRAD=a.grad, DZS=_DZ_SCALE, DZ_IN_P=dz_in_p, POLY=poly,
+            GRAD=a.grad, DZS=_DZ_SCALE, DZ_IN_P=dz_in_p, POLY=poly, EPI_POLY=epi_poly,
             EPILOGUE_REGS=kern.EPILOGUE_REGS, PRODUCER_REGS=kern.PRODUCER_REGS,
             num_warps=kern.WARPS,
         )
         return
     if PASS_A["kernel"] != "fused":
         raise ValueError(f"PASS_A['kernel'] must be 'fused' or 'split', got {PASS_A['kernel']!r}")
-    kern.dense_kl_pass_a[(len(a.n_lo), a.Hi)](
+    kern.dense_kl_pass_a[(a.Hi, len(a.n_lo))](
         desc(a.q, [a.bm, D]), desc(a.k, [a.bn, D]), desc(a.q_idx, [a.bm, Di]),
         desc(a.k_idx, [a.bn, Di]), desc(a.dz_buf.view(-1, a.dz_buf.shape[-1]), [a.bm, a.bn]),
         a.lse2, a.lse_z, a.q_pos, a.q_kbase, a.n_lo, a.n_hi, a.dq, a.kl_part, a.Tq, a.Tq_pad,

@@ -736,7 +736,8 @@ def run_compile(argv) -> int:
 
 # --- the fused dense KL (msa_megatron/ops/triton/dense_kl_gluon.py): sm_90 compile, GPU check ---
 # compile names: Hq / Hi of the kernel; "kls": the split kernel (teacher and epilogue warpgroups)
-KL_GROUPS = {"kl": 16, "kl_g4": 4, "kl_g1": 1, "kls": 16, "kls_g4": 4, "kls_g1": 1}
+KL_GROUPS = {"kl": 16, "kl_g4": 4, "kl_g1": 1, "kls": 16, "kls_g4": 4, "kls_g1": 1,
+             "kld": 16, "kld_g4": 4, "kld_g2": 2}  # "kld": the dual kernel (two teachers)
 KL_CHECKS = {  # name: (document lengths, (Hq, Hkv, Hi, Hik), dtype, dz budget bytes or None)
     "one_bf16": ([4096], (64, 4, 4, 1), torch.bfloat16, None),
     "one_fp16": ([4096], (64, 4, 4, 1), torch.float16, None),
@@ -789,7 +790,7 @@ def compile_kl_sm90(name: str) -> dict:
     descs = {}
     for arg, block in (("q_desc", [bm, HEAD_DIM]), ("k_desc", [bn, HEAD_DIM]),
                        ("qi_desc", [bm, INDEX_DIM]), ("ki_desc", [bn, INDEX_DIM]),
-                       ("dz_desc", [bm, bn])):
+                       ("dz_desc", [bm, bn // 2 if name.startswith("kld") else bn])):
         layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
         descs[arg] = f"tensordesc<bf16[{block[0]}, {block[1]}],{layout!r}>"
     signature = dict(descs, lse2_ptr="*fp32", lsez_ptr="*fp32", qpos_ptr="*i32", qkb_ptr="*i32",
@@ -801,6 +802,15 @@ def compile_kl_sm90(name: str) -> dict:
                  "KI_AT": min(2, group - 1), "GRAD": True, "DZS": 4096.0,
                  "PRODUCER_REGS": kern.PRODUCER_REGS, "num_warps": kern.WARPS}
     kernel = kern.dense_kl_pass_a
+    if name.startswith("kld"):
+        kernel = kern.dense_kl_pass_a_dual
+        del constants["KI_AT"]
+        from msa_megatron.ops.triton.dense_kl_gluon import PASS_A  # the product's rings
+
+        constants["QS"] = int(os.environ.get("KLS_QS", PASS_A["q_stages"]))
+        constants["KS"] = int(os.environ.get("KLS_KS", PASS_A["kv_stages"]))
+        constants["TEACHER_REGS"] = int(os.environ.get("KLD_TEACHER_REGS",
+                                                       kern.DUAL_TEACHER_REGS))
     if name.startswith("kls"):
         kernel = kern.dense_kl_pass_a_split
         del constants["KI_AT"]

@@ -329,7 +329,21 @@ def pass_a_gluon(a: _Launch) -> None:
 
     D, Di = a.q.shape[2], a.q_idx.shape[2]
     G = a.Hq // a.Hi
-    if PASS_A["kernel"] == "split":
+    if PASS_A["kernel"] == "dual" and G % 2 == 0:  # two teachers: even and odd heads
+        qs, ks, _, _, _ = split_rings(G)
+        kern.dense_kl_pass_a_dual[(a.Hi, len(a.n_lo))](
+            desc(a.q, [a.bm, D]), desc(a.k, [a.bn, D]), desc(a.q_idx, [a.bm, Di]),
+            desc(a.k_idx, [a.bn, Di]),
+            desc(a.dz_buf.view(-1, a.dz_buf.shape[-1]), [a.bm, a.bn // 2]),
+            a.lse2, a.lse_z, a.q_pos, a.q_kbase, a.n_lo, a.n_hi, a.dq, a.kl_part, a.Tq,
+            a.Tq_pad, a.ch_lo, a.ch_hi, a.scale2, a.iscale, HI=a.Hi, G=G, IPG=a.Hi // a.Hkv,
+            HPK=a.Hi // a.Hik, BM=a.bm, BN=a.bn, D=D, DI=Di, QS=qs, KS=ks,
+            GRAD=a.grad, DZS=_DZ_SCALE, TEACHER_REGS=kern.DUAL_TEACHER_REGS,
+            PRODUCER_REGS=kern.PRODUCER_REGS,
+            num_warps=kern.WARPS,
+        )
+        return
+    if PASS_A["kernel"] in ("split", "dual"):  # dual with odd G: the split kernel
         qs, ks, dz_in_p, poly, epi_poly = split_rings(G)
         kern.dense_kl_pass_a_split[(a.Hi, len(a.n_lo))](
             desc(a.q, [a.bm, D]), desc(a.k, [a.bn, D]), desc(a.q_idx, [a.bm, Di]),
@@ -343,7 +357,8 @@ def pass_a_gluon(a: _Launch) -> None:
         )
         return
     if PASS_A["kernel"] != "fused":
-        raise ValueError(f"PASS_A['kernel'] must be 'fused' or 'split', got {PASS_A['kernel']!r}")
+        raise ValueError(f"PASS_A['kernel'] must be 'fused', 'split' or 'dual', got "
+                         f"{PASS_A['kernel']!r}")
     kern.dense_kl_pass_a[(a.Hi, len(a.n_lo))](
         desc(a.q, [a.bm, D]), desc(a.k, [a.bn, D]), desc(a.q_idx, [a.bm, Di]),
         desc(a.k_idx, [a.bn, Di]), desc(a.dz_buf.view(-1, a.dz_buf.shape[-1]), [a.bm, a.bn]),

@@ -445,11 +445,14 @@ def dense_forward(q, k, v, q_pos, q_kbase, softmax_scale: float):
 
 def dense_backward(dout, q, k, v, out, lse, q_pos, q_kbase, softmax_scale: float):
     """``(dq, dk, dv)`` from a vendor route, or None (caller runs its own kernels, which take
-    any route's ``out`` and ``lse``); NaN/Inf in q, k, v or dout never take a vendor route."""
+    any route's ``out`` and ``lse``); NaN/Inf in q, k, v or dout never take a vendor route (q
+    and k through ``lse``, the forward's of the same q, k: see the body)."""
     if backward_route(q, k)[0] is None:  # nothing to use whatever the layout: no host sync
         return None
     seqs = standard_sequences(q_pos, q_kbase, k.shape[0])
-    if seqs is None or not _all_finite(q, k, v, dout):
+    # q and k not summed again: the routes take self-attention layouts only (every key in its
+    # sequence's last row's support), where a NaN/Inf in q or k makes some lse non-finite
+    if seqs is None or not _all_finite(lse, v, dout):
         return None
     while True:
         route, deterministic = backward_route(q, k, seqs)

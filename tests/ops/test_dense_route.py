@@ -252,6 +252,29 @@ def test_non_finite_inputs_keep_our_kernels(fake_routes, monkeypatch, seed, tens
         assert_close(a.nan_to_num(), b.nan_to_num(), 1e-5, name)
 
 
+@pytest.mark.parametrize("tensor", ["lse", "v", "dout"])
+def test_backward_route_checks_lse_v_and_dout(fake_routes, seed, tensor):
+    """The backward's finiteness check reads lse (which covers q and k: a NaN/Inf there makes
+    some row's lse non-finite in the self-attention layouts the routes take), v and dout: a
+    NaN in any of them keeps our kernels (None), finite ones take a route."""
+    from msa_megatron.layout import query_layout
+
+    x = _inputs(seed)
+    rec = fake_routes()
+    q, k, v = (x[n].detach() for n in ("q", "k", "v"))
+    T = q.shape[0]
+    q_pos, q_kbase = query_layout(x["cu_seqlens"], T, q.device)
+    out, lse = dense.dense_forward(q, k, v, q_pos, q_kbase, 0.25)
+    t = dict(lse=lse.clone(), v=v.clone(), dout=torch.randn_like(out))
+    assert dense.dense_backward(t["dout"], q, k, t["v"], out, t["lse"], q_pos, q_kbase,
+                                0.25) is not None
+    rec.calls.clear()
+    t[tensor].view(-1)[7] = float("nan")
+    assert dense.dense_backward(t["dout"], q, k, t["v"], out, t["lse"], q_pos, q_kbase,
+                                0.25) is None
+    assert rec.calls == []
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("tensor", NAMES)
 def test_non_finite_inputs_never_reach_the_kl_result(fake_routes, monkeypatch, seed, tensor):

@@ -70,11 +70,13 @@ PASS_B_STAGES = None
 PASS_B_ALIGN = 16
 PASS_B_RANGE_CHECK = False
 # pass A's Gluon kernel: "fused" (dense_kl_pass_a: one consumer warpgroup runs the heads and
-# each key step's epilogue) or "split" (dense_kl_pass_a_split: teacher and epilogue
-# warpgroups), and its Q / K ring depths
+# each key step's epilogue), "split" (dense_kl_pass_a_split: teacher and epilogue warpgroups)
+# or "dual" (dense_kl_pass_a_dual: two teacher warpgroups on the even and odd heads, half
+# tiles; needs Hq / Hi even, else the split kernel runs; H200: 29.4 ms vs 25.6 for split at
+# 32K), and its Q / K ring depths (dual: 4 Q slots at most, shared memory)
 # poly: 0, or N: the split teacher computes every N-th head's exp2 (heads jj % N == N - 1) by a
-# polynomial on the FMA pipe; epi_poly: the epilogue's student exp2 by the polynomial (the MUFU
-# the teacher waits on is shared by both warpgroups). Off until an H200 run times them.
+# polynomial on the FMA pipe; epi_poly: the epilogue's student exp2 by the polynomial. Both
+# slower on the H200 (32K: poly 4 32.4 ms, epi_poly 29.6, vs 25.6; benchmarks/NOTES.md)
 PASS_A = {"kernel": "split", "q_stages": 4, "kv_stages": 1, "dz_in_p": False, "poly": 0,
           "epi_poly": False}
 

@@ -446,13 +446,15 @@ def dense_forward(q, k, v, q_pos, q_kbase, softmax_scale: float):
 def dense_backward(dout, q, k, v, out, lse, q_pos, q_kbase, softmax_scale: float):
     """``(dq, dk, dv)`` from a vendor route, or None (caller runs its own kernels, which take
     any route's ``out`` and ``lse``); NaN/Inf in q, k, v or dout never take a vendor route (q
-    and k through ``lse``, the forward's of the same q, k: see the body)."""
+    through ``lse``, the forward's of the same q: see the body)."""
     if backward_route(q, k)[0] is None:  # nothing to use whatever the layout: no host sync
         return None
     seqs = standard_sequences(q_pos, q_kbase, k.shape[0])
-    # q and k not summed again: the routes take self-attention layouts only (every key in its
-    # sequence's last row's support), where a NaN/Inf in q or k makes some lse non-finite
-    if seqs is None or not _all_finite(lse, v, dout):
+    # q not summed again (0.5 GB at 32K): lse is the forward's of this q, and a NaN/Inf in
+    # query row p makes every score of the row NaN or +-Inf (all -Inf: lse -Inf), so lse[p] is
+    # non-finite. k is summed: an Inf key can give -Inf scores only, leaving lse finite, and a
+    # vendor kernel would spread it (0 * Inf) to earlier rows of its tiles.
+    if seqs is None or not _all_finite(lse, k, v, dout):
         return None
     while True:
         route, deterministic = backward_route(q, k, seqs)

@@ -252,11 +252,13 @@ def test_non_finite_inputs_keep_our_kernels(fake_routes, monkeypatch, seed, tens
         assert_close(a.nan_to_num(), b.nan_to_num(), 1e-5, name)
 
 
-@pytest.mark.parametrize("tensor", ["lse", "v", "dout"])
-def test_backward_route_checks_lse_v_and_dout(fake_routes, seed, tensor):
-    """The backward's finiteness check reads lse (which covers q and k: a NaN/Inf there makes
-    some row's lse non-finite in the self-attention layouts the routes take), v and dout: a
-    NaN in any of them keeps our kernels (None), finite ones take a route."""
+@pytest.mark.parametrize("tensor,value", [("lse", float("nan")), ("k", float("nan")),
+                                          ("k", float("-inf")), ("v", float("nan")),
+                                          ("dout", float("inf"))])
+def test_backward_route_checks_lse_k_v_and_dout(fake_routes, seed, tensor, value):
+    """The backward's finiteness check reads lse (which covers q: a NaN/Inf in a query row
+    makes its lse non-finite), k (an Inf key can leave every lse finite), v and dout: a
+    non-finite value in any of them keeps our kernels (None), finite ones take a route."""
     from msa_megatron.layout import query_layout
 
     x = _inputs(seed)
@@ -265,14 +267,34 @@ def test_backward_route_checks_lse_v_and_dout(fake_routes, seed, tensor):
     T = q.shape[0]
     q_pos, q_kbase = query_layout(x["cu_seqlens"], T, q.device)
     out, lse = dense.dense_forward(q, k, v, q_pos, q_kbase, 0.25)
-    t = dict(lse=lse.clone(), v=v.clone(), dout=torch.randn_like(out))
-    assert dense.dense_backward(t["dout"], q, k, t["v"], out, t["lse"], q_pos, q_kbase,
+    t = dict(lse=lse.clone(), k=k.clone(), v=v.clone(), dout=torch.randn_like(out))
+    assert dense.dense_backward(t["dout"], q, t["k"], t["v"], out, t["lse"], q_pos, q_kbase,
                                 0.25) is not None
     rec.calls.clear()
-    t[tensor].view(-1)[7] = float("nan")
-    assert dense.dense_backward(t["dout"], q, k, t["v"], out, t["lse"], q_pos, q_kbase,
+    t[tensor].view(-1)[7] = value
+    assert dense.dense_backward(t["dout"], q, t["k"], t["v"], out, t["lse"], q_pos, q_kbase,
                                 0.25) is None
     assert rec.calls == []
+
+
+def test_a_query_row_holding_inf_makes_its_lse_non_finite():
+    """What lets the backward's check and the Gluon KL's flag skip q: whatever the signs of
+    the keys' entries (all scores -Inf, some NaN, some +Inf), a query row holding +-Inf or NaN
+    gets a non-finite lse (causal logsumexp in fp32, as every attention computes it)."""
+    gen = torch.Generator().manual_seed(3)
+    T, D = 6, 4
+    for value in (float("inf"), float("-inf"), float("nan")):
+        for k_sign in (1.0, -1.0, 0.0, None):
+            q = torch.randn(T, 1, D, generator=gen)
+            k = torch.randn(T, 1, D, generator=gen)
+            if k_sign is not None:  # every key's entry 0 has this sign (0: exactly zero)
+                k[:, 0, 0] = k_sign * (k[:, 0, 0].abs() + 0.5) if k_sign else 0.0
+            q[4, 0, 0] = value
+            s = torch.einsum("td,ud->tu", q[:, 0], k[:, 0])
+            causal = torch.ones(T, T, dtype=torch.bool).tril()
+            lse = torch.logsumexp(s.masked_fill(~causal, float("-inf")), dim=1)
+            assert not torch.isfinite(lse[4]), (value, k_sign)
+            assert torch.isfinite(lse[:4]).all()
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")

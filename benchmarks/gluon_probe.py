@@ -736,8 +736,7 @@ def run_compile(argv) -> int:
 
 # --- the fused dense KL (msa_megatron/ops/triton/dense_kl_gluon.py): sm_90 compile, GPU check ---
 # compile names: Hq / Hi of the kernel; "kls": the split kernel (teacher and epilogue warpgroups)
-KL_GROUPS = {"kl": 16, "kl_g4": 4, "kl_g1": 1, "kls": 16, "kls_g4": 4, "kls_g1": 1,
-             "kld": 16, "kld_g4": 4, "kld_g2": 2}  # "kld": the dual kernel (two teachers)
+KL_GROUPS = {"kl": 16, "kl_g4": 4, "kl_g1": 1, "kls": 16, "kls_g4": 4, "kls_g1": 1}
 KL_CHECKS = {  # name: (document lengths, (Hq, Hkv, Hi, Hik), dtype, dz budget bytes or None)
     "one_bf16": ([4096], (64, 4, 4, 1), torch.bfloat16, None),
     "one_fp16": ([4096], (64, 4, 4, 1), torch.float16, None),
@@ -790,7 +789,7 @@ def compile_kl_sm90(name: str) -> dict:
     descs = {}
     for arg, block in (("q_desc", [bm, HEAD_DIM]), ("k_desc", [bn, HEAD_DIM]),
                        ("qi_desc", [bm, INDEX_DIM]), ("ki_desc", [bn, INDEX_DIM]),
-                       ("dz_desc", [bm, bn // 2 if name.startswith("kld") else bn])):
+                       ("dz_desc", [bm, bn])):
         layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
         descs[arg] = f"tensordesc<bf16[{block[0]}, {block[1]}],{layout!r}>"
     signature = dict(descs, lse2_ptr="*fp32", lsez_ptr="*fp32", qpos_ptr="*i32", qkb_ptr="*i32",
@@ -802,15 +801,6 @@ def compile_kl_sm90(name: str) -> dict:
                  "KI_AT": min(2, group - 1), "GRAD": True, "DZS": 4096.0,
                  "PRODUCER_REGS": kern.PRODUCER_REGS, "num_warps": kern.WARPS}
     kernel = kern.dense_kl_pass_a
-    if name.startswith("kld"):
-        kernel = kern.dense_kl_pass_a_dual
-        del constants["KI_AT"]
-        from msa_megatron.ops.triton.dense_kl_gluon import PASS_A  # the product's rings
-
-        constants["QS"] = int(os.environ.get("KLS_QS", PASS_A["q_stages"]))
-        constants["KS"] = int(os.environ.get("KLS_KS", PASS_A["kv_stages"]))
-        constants["TEACHER_REGS"] = int(os.environ.get("KLD_TEACHER_REGS",
-                                                       kern.DUAL_TEACHER_REGS))
     if name.startswith("kls"):
         kernel = kern.dense_kl_pass_a_split
         del constants["KI_AT"]
@@ -820,9 +810,6 @@ def compile_kl_sm90(name: str) -> dict:
         constants["QS"] = int(os.environ.get("KLS_QS", PASS_A["q_stages"]))
         constants["KS"] = int(os.environ.get("KLS_KS", PASS_A["kv_stages"]))
         constants["DZ_IN_P"] = os.environ.get("KLS_DZ_IN_P", str(int(PASS_A["dz_in_p"]))) == "1"
-        constants["POLY"] = int(os.environ.get("KLS_POLY", PASS_A.get("poly", 0)))
-        constants["EPI_POLY"] = os.environ.get("KLS_EPI_POLY",
-                                               str(int(PASS_A.get("epi_poly", False)))) == "1"
     attrs = {(j,): [["tt.divisibility", 16]] for j in range(5, 13)}
     source = GluonASTSource(kernel,
                             dict(signature, **{c: "constexpr" for c in constants}), constants,
@@ -1002,10 +989,9 @@ def run_kl(path: str, token_counts, timeout: float,
 
 
 def apply_pass_a_env() -> None:
-    """``KL_PASS_A=KERNEL[:Q_STAGES:KV_STAGES[:p][:polyN][:epoly]]`` (``fused`` / ``split``;
-    ``p``: dz staged in the p slot; ``polyN``: every N-th teacher head's exp2 by polynomial;
-    ``epoly``: the epilogue's exp2 by polynomial) sets ``dense_kl_gluon.PASS_A`` for this
-    process (the kl children inherit it)."""
+    """``KL_PASS_A=KERNEL[:Q_STAGES:KV_STAGES[:p]]`` (``fused`` / ``split``; ``p``: dz staged
+    in the p slot) sets ``dense_kl_gluon.PASS_A`` for this process (the kl children inherit
+    it)."""
     from msa_megatron.ops.triton import dense_kl_gluon as dkg
 
     if os.environ.get("KL_LSE_Z"):  # "finite" / "general": dense_kl_gluon.LSE_Z_KERNEL
@@ -1019,9 +1005,6 @@ def apply_pass_a_env() -> None:
     if stages:
         dkg.PASS_A["q_stages"], dkg.PASS_A["kv_stages"] = map(int, stages[:2])
     dkg.PASS_A["dz_in_p"] = "p" in stages[2:]
-    polys = [int(x[4:]) for x in stages[2:] if x.startswith("poly")]
-    dkg.PASS_A["poly"] = polys[-1] if polys else 0
-    dkg.PASS_A["epi_poly"] = "epoly" in stages[2:]
 
 
 def run_kl_child(child: str, path: str, token_counts) -> int:

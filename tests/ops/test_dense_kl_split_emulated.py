@@ -41,13 +41,11 @@ def _mutate(env, fn, edits):
     exec(compile(src, f"<mutant {fn.fn.__name__}>", "exec"), env)
 
 
-def _emulated_pass_a(qs, ks, dz_in_p, seed=0, timeout=10.0, mutant=None, fused=False, poly=0,
-                     epi_poly=False, dual=False):
+def _emulated_pass_a(qs, ks, dz_in_p, seed=0, timeout=10.0, mutant=None, fused=False):
     """A ``pass_a`` for :func:`.dense_kl_gluon.dense_kl_chunked`: the split kernel's source
     under :class:`gluon_emu.Emulator`, launched as :func:`.dense_kl_gluon.pass_a_gluon` does;
     ``mutant``: ``(function name, edits)`` for :func:`_mutate`; ``fused``: the fused kernel
-    (``dense_kl_pass_a``, ``PASS_A["kernel"] = "fused"``) instead; ``poly``, ``epi_poly``: the
-    split kernel's polynomial exp2 options (``PASS_A``), run as written (not overridden)."""
+    (``dense_kl_pass_a``, ``PASS_A["kernel"] = "fused"``) instead."""
     from msa_megatron.ops.triton import _dense_kl_gluon_kernels as kern
 
     def run(a):
@@ -66,7 +64,7 @@ def _emulated_pass_a(qs, ks, dz_in_p, seed=0, timeout=10.0, mutant=None, fused=F
         grid = (a.Hi, len(a.n_lo))
         args = (desc(a.q, [a.bm, D]), desc(a.k, [a.bn, D]), desc(a.q_idx, [a.bm, Di]),
                 desc(a.k_idx, [a.bn, Di]),
-                desc(a.dz_buf.view(-1, a.dz_buf.shape[-1]), [a.bm, a.bn // 2 if dual else a.bn]),
+                desc(a.dz_buf.view(-1, a.dz_buf.shape[-1]), [a.bm, a.bn]),
                 P(a.lse2), P(a.lse_z), P(a.q_pos), P(a.q_kbase), P(a.n_lo), P(a.n_hi),
                 P(a.dq), P(a.kl_part), a.Tq, a.Tq_pad, a.ch_lo, a.ch_hi, a.scale2, a.iscale)
         common = dict(HI=a.Hi, G=G, IPG=a.Hi // a.Hkv, HPK=a.Hi // a.Hik, BM=a.bm, BN=a.bn,
@@ -77,12 +75,8 @@ def _emulated_pass_a(qs, ks, dz_in_p, seed=0, timeout=10.0, mutant=None, fused=F
                 emu.program = (p0, p1, *grid)
                 if fused:
                     env["dense_kl_pass_a"](*args, KI_AT=min(2, G - 1), **common)
-                elif dual:
-                    env["dense_kl_pass_a_dual"](*args, TEACHER_REGS=kern.DUAL_TEACHER_REGS,
-                                                **common)
                 else:
-                    env["dense_kl_pass_a_split"](*args, DZ_IN_P=dz_in_p, POLY=poly,
-                                                 EPI_POLY=epi_poly,
+                    env["dense_kl_pass_a_split"](*args, DZ_IN_P=dz_in_p,
                                                  EPILOGUE_REGS=kern.EPILOGUE_REGS, **common)
     return run
 
@@ -117,36 +111,6 @@ def test_split_kernel_source_matches_the_torch_pass_a(G, qs, ks, dz_in_p):
     want = _run(x, dkg.pass_a_torch, **kw)
     got = _run(x, _emulated_pass_a(qs, ks, dz_in_p, seed=G * 10 + qs), **kw)
     _close(got, want, True)
-
-
-@pytest.mark.parametrize("G,poly,epi_poly", [(16, 4, True), (4, 3, False), (2, 1, True),
-                                             (8, 0, True)])
-def test_split_kernel_polynomial_exp2_matches_the_torch_pass_a(G, poly, epi_poly):
-    """``PASS_A["poly"]`` (every ``poly``-th teacher head's exp2 by the FMA-pipe polynomial)
-    and ``["epi_poly"]`` (the epilogue's student exp2 by it, 0 below 2^-126 and outside the
-    support): the emulated kernel, polynomial replayed in torch as written, equals the torch
-    stand-in on packed documents with gradients (masked entries and rows past Tq included)."""
-    x = _case([40, 5, 70], (2 * G, 2, 2, 1), dtype=torch.float16, seed=G + poly)
-    kw = dict(bm=16, bn=32, budget=2 * 128 * 4 * 64, dz_fill=float("nan"))
-    want = _run(x, dkg.pass_a_torch, **kw)
-    got = _run(x, _emulated_pass_a(4 if G > 1 else 1, 1, False, seed=G, poly=poly,
-                                   epi_poly=epi_poly), **kw)
-    _close(got, want, True)
-
-
-@pytest.mark.parametrize("G,qs,ks", [(2, 2, 1), (4, 3, 1), (8, 2, 2), (16, 3, 1)])
-@pytest.mark.parametrize("grad", [True, False])
-def test_dual_kernel_source_matches_the_torch_pass_a(G, qs, ks, grad):
-    """The dual-teacher kernel (``PASS_A["kernel"] = "dual"``: even and odd heads in two
-    teacher warpgroups, half tiles, a K slot released by both): its source, emulated, completes
-    and equals the torch stand-in on packed documents, two key chunks, with and without
-    gradients (dz stored per half by TMA; NaN-filled buffer: unwritten tiles show)."""
-    x = _case([40, 5, 70], (2 * G, 2, 2, 1), dtype=torch.float16, seed=G + qs + 7)
-    kw = dict(bm=16, bn=32, budget=2 * 128 * 4 * 64, dz_fill=float("nan")) if grad else \
-        dict(bm=16, bn=32)
-    want = _run(x, dkg.pass_a_torch, grad=grad, **kw)
-    got = _run(x, _emulated_pass_a(qs, ks, False, seed=G * 3 + qs, dual=True), grad=grad, **kw)
-    _close(got, want, grad)
 
 
 @pytest.mark.parametrize("dz_in_p", [False, True])

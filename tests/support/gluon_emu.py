@@ -48,12 +48,6 @@ class Val(torch.Tensor):
     def __imul__(self, other):
         return torch.Tensor.__mul__(self, other)
 
-    def to(self, dtype, bitcast=False, **kwargs):
-        """Gluon's ``x.to(dtype, bitcast=True)``: the same bits read as ``dtype``."""
-        if bitcast:
-            return _val(torch.Tensor.view(self.as_subclass(torch.Tensor), dtype))
-        return torch.Tensor.to(self, dtype, **kwargs)
-
 
 def _val(t: torch.Tensor) -> Val:
     return t.as_subclass(Val)

@@ -32,9 +32,6 @@ BLOCK_M, BLOCK_N, Q_STAGES, KV_STAGES, WARPS, PRODUCER_REGS = 64, 128, 3, 2, 4, 
 # the split kernel (dense_kl_pass_a_split): registers of its epilogue warpgroup (the teacher
 # warpgroup, the default partition, gets what the launch's 12 warps leave)
 EPILOGUE_REGS = 232
-# the dual kernel (dense_kl_pass_a_dual): registers of each teacher warpgroup (workers; the
-# epilogue, the default partition, gets what the launch's 16 warps leave)
-DUAL_TEACHER_REGS = 152
 
 
 @gluon.jit
@@ -61,30 +58,11 @@ def _exp2_ftz(x):
 
 
 @gluon.jit
-def _exp2_poly(x):
-    """``2^x`` on the FMA pipe (no MUFU): ``x`` clamped below at -126, rounded to ``j`` by the
-    1.5 2^23 trick, ``2^(x - j)`` by a degree-5 polynomial on [-0.5, 0.5] (relative error
-    3.7e-7 in fp32 Horner, ``ex2.approx``'s is ~2.4e-7), ``j`` added to the exponent bits.
-    ``x > 127`` gives an arbitrary bit pattern: only for values the callers mask (the teacher
-    and student outside the support, which ``gl.where`` discards)."""
-    x = gl.maximum(x, -126.0)
-    t = x + 12582912.0  # 1.5 2^23: x rounded to an integer in the low mantissa bits
-    f = x - (t - 12582912.0)
-    q = f * 0.0013240507105365396 + 0.009663134813308716
-    q = q * f + 0.05550714582204819
-    q = q * f + 0.240223690867424
-    q = q * f + 0.6931470632553101
-    q = q * f + 1.0
-    bits = q.to(gl.int32, bitcast=True) + (t.to(gl.int32, bitcast=True) << 23)
-    return bits.to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _barriers(N: gl.constexpr, COUNT: gl.constexpr = 1):
-    """``N`` mbarriers in shared memory (``[N, 1]``), each initialised with count ``COUNT``."""
+def _barriers(N: gl.constexpr):
+    """``N`` mbarriers in shared memory (``[N, 1]``), each initialised with count 1."""
     bars = gl.allocate_shared_memory(gl.int64, [N, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(N):
-        mbarrier.init(bars.index(s), count=COUNT)
+        mbarrier.init(bars.index(s), count=1)
     return bars
 
 
@@ -289,7 +267,7 @@ def _q_slot(c, jj: gl.constexpr, G: gl.constexpr, QS: gl.constexpr):
 def _teacher_split(lse2_ptr, q_smem, k_smem, p_smem, q_ready, q_empty, kv_ready, kv_empty,
                    p_ready, p_empty, m, i, lo, hi, Tq, scale2, G: gl.constexpr,
                    BM: gl.constexpr, BN: gl.constexpr, QS: gl.constexpr, KS: gl.constexpr,
-                   WARPS: gl.constexpr, POLY: gl.constexpr = 0):
+                   WARPS: gl.constexpr):
     """Teacher warpgroup (default partition): per key step ``p = sum_h exp2(S_h scale2 -
     lse2_h)`` over the G heads (each product issued before the previous head's exp2), then
     ``p`` into the hand-off slot once the epilogue has read the previous one."""
@@ -329,10 +307,7 @@ def _teacher_split(lse2_ptr, q_smem, k_smem, p_smem, q_ready, q_empty, kv_ready,
             if jj + 1 == G:
                 mbarrier.arrive(kv_empty.index(slot), count=1)
             lse2 = lse_smem.slice(jj * BM, BM).load(row_l)
-            if POLY > 0 and jj % POLY == POLY - 1:  # every POLY-th head on the FMA pipe
-                p += _exp2_poly(s * scale2 - lse2[:, None])
-            else:
-                p += gl.exp2(s * scale2 - lse2[:, None])
+            p += gl.exp2(s * scale2 - lse2[:, None])
         mbarrier.wait(p_empty.index(0), (c & 1) ^ 1)  # the epilogue has read step c - 1's p
         p_smem.store(p)
         gl.thread_barrier()
@@ -344,7 +319,7 @@ def _epilogue_split(dz_desc, lsez_ptr, qpos_ptr, qkb_ptr, dq_ptr, klpart_ptr, ki
                     dz_smem, p_smem, p_ready, p_empty, ki_ready, ki_empty, qi_ready, m, i, lo,
                     hi, ch_lo, Tq, Tq_pad, HI, iscale2, BM: gl.constexpr, BN: gl.constexpr,
                     DI: gl.constexpr, GRAD: gl.constexpr, DZS: gl.constexpr,
-                    DZ_IN_P: gl.constexpr, WARPS: gl.constexpr, EPI_POLY: gl.constexpr = False):
+                    DZ_IN_P: gl.constexpr, WARPS: gl.constexpr):
     """Epilogue warpgroup (worker): per key step the student product ``z = q_idx k_idx^T``, the
     support mask, the KL partial (log2 units, times ln 2 at the end), ``dz = Qs - T`` (times
     ``DZS``, rounded to the input dtype) stored to the chunk's buffer by TMA and ``acc += dz
@@ -386,12 +361,7 @@ def _epilogue_split(dz_desc, lsez_ptr, qpos_ptr, qkb_ptr, dq_ptr, klpart_ptr, ki
         # T = 0 inside the support (underflow) adds 0 too: 0 * lg2(tiny) is 0
         kl_rows += gl.sum(teacher * (_log2_ftz(gl.maximum(teacher, 1e-37)) - l2qs), axis=1)
         if GRAD:
-            if EPI_POLY:  # the student's exp2 on the FMA pipe (the teacher's MUFU is busy);
-                # 0 below 2^-126 as ex2.approx.ftz (outside the support too: l2qs = -1e30)
-                qs2 = gl.where(l2qs > -126.0, _exp2_poly(l2qs), 0.0)
-            else:
-                qs2 = _exp2_ftz(l2qs)
-            dz = ((qs2 - teacher) * DZS).to(qi_smem.dtype)
+            dz = ((_exp2_ftz(l2qs) - teacher) * DZS).to(qi_smem.dtype)
             tma.store_wait(0)  # the previous step's store has read dz_smem
             gl.thread_barrier()
             dz_smem.store(dz)
@@ -425,8 +395,7 @@ def dense_kl_pass_a_split(q_desc, k_desc, qi_desc, ki_desc, dz_desc, lse2_ptr, l
                           IPG: gl.constexpr, HPK: gl.constexpr, BM: gl.constexpr,
                           BN: gl.constexpr, D: gl.constexpr, DI: gl.constexpr,
                           QS: gl.constexpr, KS: gl.constexpr, GRAD: gl.constexpr,
-                          DZS: gl.constexpr, DZ_IN_P: gl.constexpr, POLY: gl.constexpr,
-                          EPI_POLY: gl.constexpr, EPILOGUE_REGS: gl.constexpr,
+                          DZS: gl.constexpr, DZ_IN_P: gl.constexpr, EPILOGUE_REGS: gl.constexpr,
                           PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """Pass A with the teacher loop and the epilogue in two warpgroups (section comment above);
     program, arguments and results as :func:`dense_kl_pass_a` (``KI_AT`` fixed: ``G - 1``)."""
@@ -456,199 +425,13 @@ def dense_kl_pass_a_split(q_desc, k_desc, qi_desc, ki_desc, dz_desc, lse2_ptr, l
     gl.warp_specialize([
         (_teacher_split, (lse2_ptr, q_smem, k_smem, p_smem, q_ready, q_empty, kv_ready,
                           kv_empty, p_ready, p_empty, m, i, lo, hi, Tq, scale2, G, BM, BN, QS,
-                          KS, num_warps, POLY)),
+                          KS, num_warps)),
         (_epilogue_split, (dz_desc, lsez_ptr, qpos_ptr, qkb_ptr, dq_ptr, klpart_ptr, ki_smem,
                            qi_smem, dz_smem, p_smem, p_ready, p_empty, ki_ready, ki_empty,
                            qi_ready, m, i, lo, hi, ch_lo, Tq, Tq_pad, HI, iscale * LOG2E, BM, BN,
-                           DI, GRAD, DZS, DZ_IN_P, 4, EPI_POLY)),
+                           DI, GRAD, DZS, DZ_IN_P, 4)),
         (_producer, (q_desc, k_desc, qi_desc, ki_desc, q_smem, k_smem, ki_smem, qi_smem,
                      q_ready, q_empty, kv_ready, kv_empty, ki_ready, ki_empty, qi_ready, m, i,
                      i // IPG, i // HPK, lo, hi, G, BM, BN, D, DI, QS, KS, G - 1)),
     ], [4, 1], [EPILOGUE_REGS, PRODUCER_REGS])
 
-
-# --- the dual-teacher kernel (dense_kl_pass_a_dual): two teacher warpgroups ---
-# The split kernel's teacher is one warp per scheduler issuing each head's exp2 stream; nothing
-# hides its fixed-latency stalls (NOTES, "Where pass A waits"). Here two teacher warpgroups
-# (the default partition and a worker) take the even and the odd heads of each key step, so a
-# scheduler holds two teacher warps: one's exp2 runs under the other's products. Registers
-# (64K per SM for 4 warpgroups) allow no head of lead within a teacher and no [64, 128] tile
-# beside another in the epilogue, so each [64, 128] tile is two [64, 64] halves: a teacher
-# computes head jj's two halves as two products (the second runs under the first's exp2) and
-# keeps two half sums; it hands them to its own pair of slots; the epilogue works half by half
-# (student product, mask, KL, dz, its TMA store and dz k_idx per half).
-
-
-@gluon.jit
-def _teacher_dual(lse2_ptr, q_smem, k_smem, p_smem, q_ready, q_empty, kv_ready, kv_empty,
-                  p_ready, p_empty, m, i, lo, hi, Tq, scale2, PAR: gl.constexpr,
-                  G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, QS: gl.constexpr,
-                  KS: gl.constexpr, WARPS: gl.constexpr):
-    """Teacher warpgroup ``PAR`` (0: even heads, 1: odd): per key step the half sums ``p_h =
-    sum_jj exp2(S_jj,h scale2 - lse2_jj)`` over its heads ``jj = 2 t + PAR``, then both into
-    its slots ``p_smem[2 PAR + h]`` once the epilogue has read the previous ones."""
-    HB: gl.constexpr = BN // 2
-    GH: gl.constexpr = G // 2
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                       instr_shape=[16, HB, 16])
-    row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
-    # this teacher's heads' lse2 rows ([Hq, Tq]: lse log2e + log2 G) staged in shared memory
-    flat = gl.arange(0, GH * BM, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
-    lr = m * BM + flat % BM
-    head = i * G + 2 * (flat // BM) + PAR
-    lse_tile = gl.load(lse2_ptr + head * Tq + lr, mask=lr < Tq, other=0.0)
-    lse_smem = gl.allocate_shared_memory(gl.float32, [GH * BM],
-                                         gl.SwizzledSharedLayout(1, 1, 1, [0]), lse_tile)
-    gl.thread_barrier()
-    zero_s = gl.zeros([BM, HB], gl.float32, layout=s_layout)
-    for n in range(lo, hi):
-        c = n - lo
-        slot = c % KS
-        mbarrier.wait(kv_ready.index(slot), (c // KS) & 1)
-        kt0 = k_smem.index(slot).slice(0, HB).permute((1, 0))  # [D, HB]
-        kt1 = k_smem.index(slot).slice(HB, HB).permute((1, 0))
-        p0 = zero_s
-        p1 = zero_s
-        for t in gl.static_range(GH):
-            jj = 2 * t + PAR
-            qs, ph = _q_slot(c, jj, G, QS)
-            mbarrier.wait(q_ready.index(qs), ph)
-            a0 = warpgroup_mma(q_smem.index(qs), kt0, zero_s, use_acc=False, is_async=True)
-            a1 = warpgroup_mma(q_smem.index(qs), kt1, zero_s, use_acc=False, is_async=True)
-            lse2 = lse_smem.slice(t * BM, BM).load(row_l)
-            s0 = warpgroup_mma_wait(num_outstanding=1, deps=(a0, ))
-            p0 += gl.exp2(s0 * scale2 - lse2[:, None])  # under the second half's product
-            s1 = warpgroup_mma_wait(num_outstanding=0, deps=(a1, ))
-            gl.thread_barrier()  # every warp's reads of the slots done: the arrive is thread 0's
-            mbarrier.arrive(q_empty.index(qs), count=1)
-            if t + 1 == GH:
-                mbarrier.arrive(kv_empty.index(slot), count=1)  # count 2: both teachers
-            p1 += gl.exp2(s1 * scale2 - lse2[:, None])
-        mbarrier.wait(p_empty.index(PAR), (c & 1) ^ 1)  # the epilogue has read step c - 1's
-        p_smem.index(2 * PAR).store(p0)
-        p_smem.index(2 * PAR + 1).store(p1)
-        gl.thread_barrier()
-        mbarrier.arrive(p_ready.index(PAR), count=1)
-
-
-@gluon.jit
-def _epilogue_dual(dz_desc, lsez_ptr, qpos_ptr, qkb_ptr, dq_ptr, klpart_ptr, ki_smem, qi_smem,
-                   dz_smem, p_smem, p_ready, p_empty, ki_ready, ki_empty, qi_ready, m, i, lo,
-                   hi, ch_lo, Tq, Tq_pad, HI, iscale2, BM: gl.constexpr, BN: gl.constexpr,
-                   DI: gl.constexpr, GRAD: gl.constexpr, DZS: gl.constexpr,
-                   WARPS: gl.constexpr):
-    """Epilogue warpgroup of the dual kernel: :func:`_epilogue_split`'s work per key step, one
-    ``[BM, BN / 2]`` half at a time (teacher = the two teachers' half sums added)."""
-    HB: gl.constexpr = BN // 2
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                       instr_shape=[16, HB, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                       instr_shape=[16, DI, 16])
-    row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
-    col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
-    rows = m * BM + gl.arange(0, BM, layout=row_l)
-    valid = rows < Tq
-    pos = gl.load(qpos_ptr + rows, mask=valid, other=-1)
-    kb = gl.load(qkb_ptr + rows, mask=valid, other=0)
-    ke = kb + pos  # the row's last key (rows past Tq: kb - 1, an empty support)
-    lse_z2 = gl.load(lsez_ptr + rows * HI + i, mask=valid, other=0.0) * LOG2E
-    zero_s = gl.zeros([BM, HB], gl.float32, layout=s_layout)
-    kl_rows = gl.zeros([BM], gl.float32, layout=row_l)
-    acc = gl.zeros([BM, DI], gl.float32, layout=o_layout)
-    if hi > lo:
-        mbarrier.wait(qi_ready.index(0), 0)
-    for n in range(lo, hi):
-        c = n - lo
-        mbarrier.wait(ki_ready.index(0), c & 1)
-        mbarrier.wait(p_ready.index(0), c & 1)
-        mbarrier.wait(p_ready.index(1), c & 1)
-        for h in gl.static_range(2):
-            ki_h = ki_smem.slice(h * HB, HB)  # [HB, DI]
-            z = warpgroup_mma(qi_smem, ki_h.permute((1, 0)), zero_s, use_acc=False,
-                              is_async=True)
-            p = p_smem.index(h).load(s_layout) + p_smem.index(2 + h).load(s_layout)
-            if h == 1:  # teacher 1's slots read (teacher 0's hold dz until its stores end)
-                gl.thread_barrier()
-                mbarrier.arrive(p_empty.index(1), count=1)
-            z = warpgroup_mma_wait(num_outstanding=0, deps=(z, ))
-            # the support mask as in _epilogue_split: T = 0 and log2 Qs = -1e30 outside
-            cols = n * BN + h * HB + gl.arange(0, HB, layout=col_l)
-            inside = (cols[None, :] >= kb[:, None]) & (cols[None, :] <= ke[:, None])
-            teacher = gl.where(inside, p, 0.0)
-            l2qs = gl.where(inside, z * iscale2 - lse_z2[:, None], -1e30)  # log2 Qs
-            kl_rows += gl.sum(teacher * (_log2_ftz(gl.maximum(teacher, 1e-37)) - l2qs), axis=1)
-            if GRAD:
-                dz = ((_exp2_ftz(l2qs) - teacher) * DZS).to(qi_smem.dtype)
-                dzs = dz_smem.index(2 * h)  # the first half of teacher 0's slot h (just read)
-                gl.thread_barrier()  # every warp has read the slot
-                dzs.store(dz)
-                fence_async_shared()
-                gl.thread_barrier()
-                tma.async_copy_shared_to_global(
-                    dz_desc, [i * Tq_pad + m * BM, (n - ch_lo) * BN + h * HB], dzs)
-                acc = warpgroup_mma(dzs, ki_h, acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        if GRAD:
-            tma.store_wait(0)  # the dz stores have read teacher 0's slots
-        gl.thread_barrier()
-        mbarrier.arrive(p_empty.index(0), count=1)
-        mbarrier.arrive(ki_empty.index(0), count=1)
-    gl.store(klpart_ptr + m * HI + i, gl.sum(kl_rows, axis=0) * LN2)
-    if GRAD:
-        tma.store_wait(0)
-        if hi > lo:
-            out_rows = m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, o_layout))
-            out_cols = gl.arange(0, DI, layout=gl.SliceLayout(0, o_layout))
-            ptrs = dq_ptr + (out_rows.to(gl.int64)[:, None] * HI + i) * DI + out_cols[None, :]
-            keep = out_rows[:, None] < Tq
-            gl.store(ptrs, gl.load(ptrs, mask=keep, other=0.0) + acc, mask=keep)
-
-
-@gluon.jit(do_not_specialize=("Tq", "Tq_pad", "ch_lo", "ch_hi"))  # one compile per shape class
-def dense_kl_pass_a_dual(q_desc, k_desc, qi_desc, ki_desc, dz_desc, lse2_ptr, lsez_ptr,
-                         qpos_ptr, qkb_ptr, nlo_ptr, nhi_ptr, dq_ptr, klpart_ptr, Tq, Tq_pad,
-                         ch_lo, ch_hi, scale2, iscale, HI: gl.constexpr, G: gl.constexpr,
-                         IPG: gl.constexpr, HPK: gl.constexpr, BM: gl.constexpr,
-                         BN: gl.constexpr, D: gl.constexpr, DI: gl.constexpr,
-                         QS: gl.constexpr, KS: gl.constexpr, GRAD: gl.constexpr,
-                         DZS: gl.constexpr, TEACHER_REGS: gl.constexpr,
-                         PRODUCER_REGS: gl.constexpr,
-                         num_warps: gl.constexpr):
-    """Pass A with two teacher warpgroups (section comment above); program, arguments and
-    results as :func:`dense_kl_pass_a` (``G`` even; ``dz_desc``'s block ``[BM, BN / 2]``)."""
-    i = gl.program_id(0)
-    m = gl.num_programs(1) - 1 - gl.program_id(1)
-    lo = gl.maximum(gl.load(nlo_ptr + m), ch_lo)
-    hi = gl.minimum(gl.load(nhi_ptr + m), ch_hi)
-    HB: gl.constexpr = BN // 2
-    # the half sums: slot 2 t + h for teacher t, half h (rows of 64 fp32, swizzled by row),
-    # allocated as 8 dz tiles ([BM, HB], 2 bytes, dz's layout and alignment): dz of half h is
-    # staged in tile 2 h, the first half of teacher 0's slot h, once the epilogue has read it
-    # (16 KB saved: room for 4 Q slots, whose slots and phases are then compile-time constants)
-    dz_smem = gl.allocate_shared_memory(dz_desc.dtype, [8, BM, HB], dz_desc.layout)
-    p_smem = dz_smem._reinterpret(gl.float32, [4, BM, HB],
-                                  gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [QS, BM, D], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [KS, BN, D], k_desc.layout)
-    ki_smem = gl.allocate_shared_memory(ki_desc.dtype, [BN, DI], ki_desc.layout)
-    qi_smem = gl.allocate_shared_memory(qi_desc.dtype, [BM, DI], qi_desc.layout)
-    q_ready, q_empty = _barriers(QS), _barriers(QS)
-    kv_ready, kv_empty = _barriers(KS), _barriers(KS, 2)
-    ki_ready, ki_empty, qi_ready = _barriers(1), _barriers(1), _barriers(1)
-    p_ready, p_empty = _barriers(2), _barriers(2)
-    fence_async_shared()
-    gl.warp_specialize([
-        (_epilogue_dual, (dz_desc, lsez_ptr, qpos_ptr, qkb_ptr, dq_ptr, klpart_ptr, ki_smem,
-                          qi_smem, dz_smem, p_smem, p_ready, p_empty, ki_ready, ki_empty,
-                          qi_ready, m, i, lo, hi, ch_lo, Tq, Tq_pad, HI, iscale * LOG2E, BM, BN,
-                          DI, GRAD, DZS, num_warps)),
-        (_teacher_dual, (lse2_ptr, q_smem, k_smem, p_smem, q_ready, q_empty, kv_ready,
-                         kv_empty, p_ready, p_empty, m, i, lo, hi, Tq, scale2, 0, G, BM, BN,
-                         QS, KS, 4)),
-        (_teacher_dual, (lse2_ptr, q_smem, k_smem, p_smem, q_ready, q_empty, kv_ready,
-                         kv_empty, p_ready, p_empty, m, i, lo, hi, Tq, scale2, 1, G, BM, BN,
-                         QS, KS, 4)),
-        (_producer, (q_desc, k_desc, qi_desc, ki_desc, q_smem, k_smem, ki_smem, qi_smem,
-                     q_ready, q_empty, kv_ready, kv_empty, ki_ready, ki_empty, qi_ready, m, i,
-                     i // IPG, i // HPK, lo, hi, G, BM, BN, D, DI, QS, KS, G - 1)),
-    ], [4, 4, 1], [TEACHER_REGS, TEACHER_REGS, PRODUCER_REGS])

@@ -70,15 +70,11 @@ PASS_B_STAGES = None
 PASS_B_ALIGN = 16
 PASS_B_RANGE_CHECK = False
 # pass A's Gluon kernel: "fused" (dense_kl_pass_a: one consumer warpgroup runs the heads and
-# each key step's epilogue), "split" (dense_kl_pass_a_split: teacher and epilogue warpgroups)
-# or "dual" (dense_kl_pass_a_dual: two teacher warpgroups on the even and odd heads, half
-# tiles; needs Hq / Hi even, else the split kernel runs; H200: 29.4 ms vs 25.6 for split at
-# 32K), and its Q / K ring depths (dual: 4 Q slots at most, shared memory)
-# poly: 0, or N: the split teacher computes every N-th head's exp2 (heads jj % N == N - 1) by a
-# polynomial on the FMA pipe; epi_poly: the epilogue's student exp2 by the polynomial. Both
-# slower on the H200 (32K: poly 4 32.4 ms, epi_poly 29.6, vs 25.6; benchmarks/NOTES.md)
-PASS_A = {"kernel": "split", "q_stages": 4, "kv_stages": 1, "dz_in_p": False, "poly": 0,
-          "epi_poly": False}
+# each key step's epilogue) or "split" (dense_kl_pass_a_split: teacher and epilogue
+# warpgroups), and its Q / K ring depths. Measured slower on the H200 and removed (session 14,
+# benchmarks/NOTES.md; in git history): part of the exp2 by an FMA-pipe polynomial, and two
+# teacher warpgroups on the even and odd heads.
+PASS_A = {"kernel": "split", "q_stages": 4, "kv_stages": 1, "dz_in_p": False}
 
 
 def gluon_kl_supported(q: torch.Tensor, k: torch.Tensor, q_idx: torch.Tensor,
@@ -293,12 +289,11 @@ def pass_a_torch(a: _Launch) -> None:
 
 
 def split_rings(G: int) -> tuple:
-    """``(QS, KS, DZ_IN_P, POLY, EPI_POLY)`` of the split pass A (:data:`PASS_A`, read at each
-    call) for ``G`` query heads per index head. ValueError naming the key unless ``q_stages``
-    and ``kv_stages`` are ints >= 1, ``q_stages >= 2`` when ``G >= 2`` (the teacher waits for
+    """``(QS, KS, DZ_IN_P)`` of the split pass A (:data:`PASS_A`, read at each call) for ``G``
+    query heads per index head. ValueError naming the key unless ``q_stages`` and
+    ``kv_stages`` are ints >= 1, ``q_stages >= 2`` when ``G >= 2`` (the teacher waits for
     head ``jj + 1``'s Q tile before it releases head ``jj``'s slot: one slot would hang the
-    GPU), ``dz_in_p`` and ``epi_poly`` (default False) bools and ``poly`` (default 0) an int
-    >= 0."""
+    GPU) and ``dz_in_p`` a bool."""
     qs, ks, dz_in_p = PASS_A["q_stages"], PASS_A["kv_stages"], PASS_A["dz_in_p"]
     if not isinstance(qs, int) or qs < (2 if G >= 2 else 1):
         raise ValueError(f"PASS_A['q_stages'] must be an int >= {2 if G >= 2 else 1} for "
@@ -307,12 +302,7 @@ def split_rings(G: int) -> tuple:
         raise ValueError(f"PASS_A['kv_stages'] must be an int >= 1, got {ks!r}")
     if not isinstance(dz_in_p, bool):
         raise ValueError(f"PASS_A['dz_in_p'] must be a bool, got {dz_in_p!r}")
-    poly, epi_poly = PASS_A.get("poly", 0), PASS_A.get("epi_poly", False)
-    if isinstance(poly, bool) or not isinstance(poly, int) or poly < 0:
-        raise ValueError(f"PASS_A['poly'] must be an int >= 0 (0: off), got {poly!r}")
-    if not isinstance(epi_poly, bool):
-        raise ValueError(f"PASS_A['epi_poly'] must be a bool, got {epi_poly!r}")
-    return qs, ks, dz_in_p, poly, epi_poly
+    return qs, ks, dz_in_p
 
 
 def pass_a_gluon(a: _Launch) -> None:
@@ -331,36 +321,21 @@ def pass_a_gluon(a: _Launch) -> None:
 
     D, Di = a.q.shape[2], a.q_idx.shape[2]
     G = a.Hq // a.Hi
-    if PASS_A["kernel"] == "dual" and G % 2 == 0:  # two teachers: even and odd heads
-        qs, ks, _, _, _ = split_rings(G)
-        kern.dense_kl_pass_a_dual[(a.Hi, len(a.n_lo))](
-            desc(a.q, [a.bm, D]), desc(a.k, [a.bn, D]), desc(a.q_idx, [a.bm, Di]),
-            desc(a.k_idx, [a.bn, Di]),
-            desc(a.dz_buf.view(-1, a.dz_buf.shape[-1]), [a.bm, a.bn // 2]),
-            a.lse2, a.lse_z, a.q_pos, a.q_kbase, a.n_lo, a.n_hi, a.dq, a.kl_part, a.Tq,
-            a.Tq_pad, a.ch_lo, a.ch_hi, a.scale2, a.iscale, HI=a.Hi, G=G, IPG=a.Hi // a.Hkv,
-            HPK=a.Hi // a.Hik, BM=a.bm, BN=a.bn, D=D, DI=Di, QS=qs, KS=ks,
-            GRAD=a.grad, DZS=_DZ_SCALE, TEACHER_REGS=kern.DUAL_TEACHER_REGS,
-            PRODUCER_REGS=kern.PRODUCER_REGS,
-            num_warps=kern.WARPS,
-        )
-        return
-    if PASS_A["kernel"] in ("split", "dual"):  # dual with odd G: the split kernel
-        qs, ks, dz_in_p, poly, epi_poly = split_rings(G)
+    if PASS_A["kernel"] == "split":
+        qs, ks, dz_in_p = split_rings(G)
         kern.dense_kl_pass_a_split[(a.Hi, len(a.n_lo))](
             desc(a.q, [a.bm, D]), desc(a.k, [a.bn, D]), desc(a.q_idx, [a.bm, Di]),
             desc(a.k_idx, [a.bn, Di]), desc(a.dz_buf.view(-1, a.dz_buf.shape[-1]), [a.bm, a.bn]),
             a.lse2, a.lse_z, a.q_pos, a.q_kbase, a.n_lo, a.n_hi, a.dq, a.kl_part, a.Tq,
             a.Tq_pad, a.ch_lo, a.ch_hi, a.scale2, a.iscale, HI=a.Hi, G=G, IPG=a.Hi // a.Hkv,
             HPK=a.Hi // a.Hik, BM=a.bm, BN=a.bn, D=D, DI=Di, QS=qs, KS=ks,
-            GRAD=a.grad, DZS=_DZ_SCALE, DZ_IN_P=dz_in_p, POLY=poly, EPI_POLY=epi_poly,
+            GRAD=a.grad, DZS=_DZ_SCALE, DZ_IN_P=dz_in_p,
             EPILOGUE_REGS=kern.EPILOGUE_REGS, PRODUCER_REGS=kern.PRODUCER_REGS,
             num_warps=kern.WARPS,
         )
         return
     if PASS_A["kernel"] != "fused":
-        raise ValueError(f"PASS_A['kernel'] must be 'fused', 'split' or 'dual', got "
-                         f"{PASS_A['kernel']!r}")
+        raise ValueError(f"PASS_A['kernel'] must be 'fused' or 'split', got {PASS_A['kernel']!r}")
     kern.dense_kl_pass_a[(a.Hi, len(a.n_lo))](
         desc(a.q, [a.bm, D]), desc(a.k, [a.bn, D]), desc(a.q_idx, [a.bm, Di]),
         desc(a.k_idx, [a.bn, Di]), desc(a.dz_buf.view(-1, a.dz_buf.shape[-1]), [a.bm, a.bn]),
@@ -450,9 +425,9 @@ def dense_kl_loss_gluon(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: 
     :func:`gluon_kl_supported` says no. Inputs holding NaN/Inf get the result of
     :func:`.dense_kl.dense_kl_loss`, which implements MSA_SPEC 7: the finiteness flag (one fp32
     sum per tensor of ``lse``, ``k``, ``q_idx``, ``k_idx``, on the device; ``lse`` must be the
-    attention's of these ``q``, ``k``: its finiteness covers ``q``'s)
-    is read (one host sync) only after the Gluon passes are
-    queued, so the GPU stays busy while the host waits; when it is set, the Gluon result (which
+    attention's of these ``q``, ``k``: its finiteness covers ``q``'s) is read (one host sync)
+    only after the Gluon passes are queued, so the GPU stays busy while the host waits; when
+    it is set, the Gluon result (which
     only wrote fresh buffers) is dropped and the Triton pass runs. (Reading it first cost ~2.5
     ms at 32K: the GPU idled while the host launched the passes.)"""
     ok, why = gluon_kl_supported(q, k, q_idx, k_idx)

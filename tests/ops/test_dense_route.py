@@ -277,24 +277,60 @@ def test_backward_route_checks_lse_k_v_and_dout(fake_routes, seed, tensor, value
     assert rec.calls == []
 
 
-def test_a_query_row_holding_inf_makes_its_lse_non_finite():
-    """What lets the backward's check and the Gluon KL's flag skip q: whatever the signs of
-    the keys' entries (all scores -Inf, some NaN, some +Inf), a query row holding +-Inf or NaN
-    gets a non-finite lse (causal logsumexp in fp32, as every attention computes it)."""
-    gen = torch.Generator().manual_seed(3)
-    T, D = 6, 4
-    for value in (float("inf"), float("-inf"), float("nan")):
-        for k_sign in (1.0, -1.0, 0.0, None):
-            q = torch.randn(T, 1, D, generator=gen)
-            k = torch.randn(T, 1, D, generator=gen)
-            if k_sign is not None:  # every key's entry 0 has this sign (0: exactly zero)
-                k[:, 0, 0] = k_sign * (k[:, 0, 0].abs() + 0.5) if k_sign else 0.0
-            q[4, 0, 0] = value
-            s = torch.einsum("td,ud->tu", q[:, 0], k[:, 0])
-            causal = torch.ones(T, T, dtype=torch.bool).tril()
-            lse = torch.logsumexp(s.masked_fill(~causal, float("-inf")), dim=1)
-            assert not torch.isfinite(lse[4]), (value, k_sign)
-            assert torch.isfinite(lse[:4]).all()
+# Query entries that no key can turn finite (feature: (value, the sign every key's entry gets;
+# None: random)): all the row's scores -Inf (two ways), NaN (Inf * 0), mixed +-Inf, NaN.
+_POISON = {0: (float("-inf"), 1.0), 1: (float("inf"), -1.0), 2: (float("inf"), 0.0),
+           3: (float("inf"), None), 4: (float("nan"), None)}
+
+
+def _poisoned_queries(Tq, Tk, Hq, Hkv, D, rows, dtype, seed):
+    """``q [Tq, Hq, D]``, ``k``, ``v [Tk, Hkv, D]`` with query row ``rows[f]`` (head ``f % Hq``)
+    holding :data:`_POISON`'s value at feature ``f`` and every key's feature ``f`` its sign."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(*s, generator=gen) for s in ((Tq, Hq, D), (Tk, Hkv, D),
+                                                         (Tk, Hkv, D)))
+    for f, (value, sign) in _POISON.items():
+        if sign is not None:
+            k[:, :, f] = sign * (k[:, :, f].abs() + 0.5)
+        q[rows[f], f % Hq, f] = value
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["packed", "cp"])
+def test_our_attention_gives_a_query_row_holding_inf_or_nan_a_non_finite_lse(layout, dtype):
+    """What lets the backward's check and the Gluon KL's flag skip q, on the LSE our own dense
+    attention computes (the Triton kernel; the torch backend): a query row holding +-Inf or NaN
+    gets a non-finite lse whatever the keys' signs (all its scores -Inf, NaN from Inf * 0,
+    mixed +-Inf), also a sequence's first row (one key) beside a zero-length sequence, and in a
+    CP rank's rows against all keys; every other (row, head) keeps a finite lse."""
+    from msa_megatron.ops.backends import get_backend
+    from msa_megatron.ops.triton.forward import attention_forward
+    from msa_megatron.parallel.cp_layout import build_cp_layout
+
+    lens = [7, 0, 9, 16]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    Tk = int(cu[-1])
+    if layout == "packed":
+        q_pos, q_kbase = query_layout(cu, Tk, torch.device("cpu"))
+        rows = [7, 6, 0, 15, 31]  # 7: first row of the sequence after the empty one
+    else:  # rank 1 of 2: rows 4..11 and 20..27 of the 32-token problem (per document)
+        cp = build_cp_layout(torch.tensor([0, 16, 32], dtype=torch.int32), 2, 1, 1,
+                             torch.device("cpu"))
+        q_pos, q_kbase = cp.q_pos.contiguous(), cp.q_kbase.contiguous()
+        rows = [0, 3, 5, 8, 15]
+    q, k, v = _poisoned_queries(q_pos.shape[0], Tk, 4, 2, 16, rows, dtype, seed=Tk)
+    bad = ~torch.isfinite(q.float()).all(-1)  # [Tq, Hq]
+    assert int(bad.sum()) == len(_POISON)
+    scale = 16 ** -0.5
+    lses = {"triton": attention_forward(q, k, v, None, q_pos, q_kbase, 16, scale, 2)[1]}
+    if dtype != torch.float16:  # the torch backend on a CPU: fp32 and bf16
+        lses["torch"] = get_backend("torch").attention(
+            q, k, v, None, q_pos, q_kbase, block_size=16, softmax_scale=scale,
+            index_heads=2)[1]
+    for name, lse in lses.items():
+        assert torch.equal(~torch.isfinite(lse), bad), (name, lse[bad])
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
@@ -332,6 +368,42 @@ def test_non_finite_inputs_never_reach_the_kl_result(fake_routes, monkeypatch, s
         assert seen and all(seen), seen
     # otherwise the Gluon passes may have run (they are queued before the finiteness flag is
     # read) but their result is dropped for the Triton KL's: the layer equals ours
+    for name, a, b in zip(("out", "kl") + NAMES, routed, ours):
+        assert torch.equal(a.isnan(), b.isnan()), name
+        assert_close(a.nan_to_num(), b.nan_to_num(), 1e-4, name)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("value,key_entry", [(float("-inf"), 1.0), (float("inf"), 0.0)],
+                         ids=["all-scores-minus-inf", "inf-times-zero"])
+def test_a_query_row_no_key_makes_finite_keeps_our_kernels(fake_routes, monkeypatch, seed,
+                                                          value, key_entry):
+    """The layer end to end, with q read by the checks only through our attention's lse: a query
+    row whose every score is -Inf (lse -Inf) or NaN takes no vendor route, forward or
+    backward, and the Gluon KL (pass A the torch stand-in) gives way to the Triton KL: the
+    layer equals our kernels' (a vendor backward would put 0 * Inf into the keys of the row's
+    tiles outside its support). The -Inf row is the case only lse guards: our forward gives it
+    out = 0 (l = 0 counts as 1), so dout, and the other tests' NaN, stay finite there."""
+    from msa_megatron.ops import triton as backend
+    from msa_megatron.ops.triton import dense_kl_gluon as dkg
+
+    x = _inputs(seed)
+    with torch.no_grad():  # row 30 (second sequence), head 1 (KV head 0)
+        x["k"][:, 0, 2] = key_entry * (x["k"][:, 0, 2].abs() + 0.5) if key_entry else 0.0
+        x["q"][30, 1, 2] = value
+    monkeypatch.setenv(dense.BACKEND_ENV, "kernels")
+    monkeypatch.setenv(backend.DENSE_KL_ENV, "onepass")
+    ours = _run(x)
+    monkeypatch.delenv(dense.BACKEND_ENV)
+    monkeypatch.delenv(backend.DENSE_KL_ENV)
+    rec = fake_routes()
+    for name in ("cudnn", "flash"):
+        assert dense._probe(dense.ROUTES[name], x["q"], x["k"]) is None
+    rec.calls.clear()
+    monkeypatch.setattr(dkg, "gluon_kl_supported", lambda *args: (True, ""))
+    monkeypatch.setattr(dkg, "pass_a_gluon", dkg.pass_a_torch)
+    routed = _run(x)
+    assert rec.calls == []
     for name, a, b in zip(("out", "kl") + NAMES, routed, ours):
         assert torch.equal(a.isnan(), b.isnan()), name
         assert_close(a.nan_to_num(), b.nan_to_num(), 1e-4, name)

@@ -4,14 +4,16 @@ wgmma (:mod:`tests.support.gluon_emu`): its mbarrier protocol completes (no dead
 over-arrival) for Hq / Hi 1..16, Q rings 1..4, K rings 1..2, dz in or out of the p slot, with and
 without gradients, chunks whose ranges are empty for some query tiles; and the orchestration
 with it equals the torch stand-in (:func:`.dense_kl_gluon.pass_a_torch`); the fused kernel
-(``dense_kl_pass_a``) too. Two controls: a one-slot Q ring deadlocks, a slot freed early gives
-wrong numbers. Products and TMA
-stores read shared memory only when waited for, so a slot released before its reader finished
-gives wrong numbers. Warps inside one partition are not modelled (one thread per partition)."""
+(``dense_kl_pass_a``) too, and the host's own launches (:func:`.dense_kl_gluon.pass_a_gluon`)
+of each. Two controls: a one-slot Q ring deadlocks, a slot freed early gives wrong numbers.
+Products and TMA stores read shared memory only when waited for, so a slot released before its
+reader finished gives wrong numbers. Warps inside one partition are not modelled (one thread
+per partition)."""
 
 import inspect
 import os
 import textwrap
+import types
 
 import torch
 
@@ -111,6 +113,56 @@ def test_split_kernel_source_matches_the_torch_pass_a(G, qs, ks, dz_in_p):
     want = _run(x, dkg.pass_a_torch, **kw)
     got = _run(x, _emulated_pass_a(qs, ks, dz_in_p, seed=G * 10 + qs), **kw)
     _close(got, want, True)
+
+
+class _EmulatedLaunch:
+    """Stands in for a ``@gluon.jit`` kernel in :func:`.dense_kl_gluon.pass_a_gluon`:
+    ``kernel[grid](*args, **kwargs)`` runs every program of ``grid`` from the kernel's source
+    under the emulation (tensor arguments as pointers) and records ``(name, grid)``."""
+
+    def __init__(self, source, name, launched):
+        self.source, self.name, self.launched = source, name, launched
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launched.append((self.name, tuple(grid)))
+            emu = gluon_emu.Emulator(seed=len(self.launched))
+            env = emu.bind(self.source, dict(gluon_emu.MATH_OVERRIDES, LN2=0.6931471805599453,
+                                             LOG2E=1.4426950408889634))
+            args = [gluon_emu.Ptr(x) if isinstance(x, torch.Tensor) else x for x in args]
+            for p0 in range(grid[0]):
+                for p1 in range(grid[1]):
+                    emu.program = (p0, p1, *grid)
+                    env[self.name](*args, **kwargs)
+        return launch
+
+
+@pytest.mark.parametrize("kernel,G,want", [("split", 4, "dense_kl_pass_a_split"),
+                                           ("split", 1, "dense_kl_pass_a_split"),
+                                           ("fused", 2, "dense_kl_pass_a")])
+def test_pass_a_gluon_launches_what_the_emulated_kernels_run(monkeypatch, kernel, G, want):
+    """The host side itself (:func:`.dense_kl_gluon.pass_a_gluon`: the grid (index head, query
+    tile) each kernel reads, its arguments), its TMA descriptors and launches handed to the
+    emulation: equals the torch stand-in (the tests above launch the kernels as
+    :func:`_emulated_pass_a` writes it, so they cannot see the host and a kernel disagree)."""
+    from triton.experimental.gluon.nvidia import hopper
+
+    from msa_megatron.ops.triton import _dense_kl_gluon_kernels as kern
+
+    source = types.SimpleNamespace(**vars(kern))
+    launched = []
+    for name in ("dense_kl_pass_a", "dense_kl_pass_a_split"):
+        monkeypatch.setattr(kern, name, _EmulatedLaunch(source, name, launched))
+    monkeypatch.setattr(hopper, "TensorDescriptor",
+                        lambda view, shape, strides, block, layout: gluon_emu.Desc(view, block))
+    monkeypatch.setattr(dkg, "PASS_A", dict(dkg.PASS_A, kernel=kernel, q_stages=2 if G > 1 else 1,
+                                            kv_stages=1, dz_in_p=False))
+    x = _case([40, 5, 70], (2 * G, 2, 2, 1), dtype=torch.float16, seed=G + 11)
+    kw = dict(bm=16, bn=32, budget=2 * 128 * 4 * 64, dz_fill=float("nan"))
+    want_result = _run(x, dkg.pass_a_torch, **kw)
+    _close(_run(x, dkg.pass_a_gluon, **kw), want_result, True)
+    tiles = -(-x[0].shape[0] // 16)
+    assert launched and all(launch == (want, (2, tiles)) for launch in launched), launched
 
 
 @pytest.mark.parametrize("dz_in_p", [False, True])

@@ -106,6 +106,50 @@ def test_non_finite_reaches_only_the_oracle_rows(backend, layout, value, mode, t
         assert rel_err(a[~bad], b[~bad]) < REL_TOL, name
 
 
+def _minus_inf_scores(case: str):
+    """Inputs where an Inf turns scores into -Inf (not NaN, not +Inf): ``row``: query row 120,
+    head 1 holds -Inf in feature 2 and every key's feature 2 is positive, so all the row's
+    scores are -Inf (softmax: NaN); ``block``: every query's feature 2 is positive and the keys
+    61..76 of KV head 0 (block 1 of sequence 1) hold -Inf there, so that whole block scores
+    -Inf for every row of its sequence (weight 0 in the softmax; NaN in dQ through
+    ``0 * -Inf``)."""
+    x = make_inputs([45, 90], heads=4, kv_heads=2, index_heads=2, index_key_heads=1,
+                    seed=seed_from(f"minus-inf-{case}"), requires_grad=False)
+    if case == "row":
+        x["k"][:, :, 2] = x["k"][:, :, 2].abs() + 0.5
+        x["q"][120, 1, 2] = float("-inf")
+    else:
+        x["q"][:, :, 2] = x["q"][:, :, 2].abs() + 0.5
+        x["k"][61:77, 0, 2] = float("-inf")
+        # the index selects block 1 for every later row of the sequence (rows past its third
+        # block run the per-block kernel: top-k 3 of 4..6 blocks)
+        x["q_idx"][:, :, 0] = x["q_idx"][:, :, 0].abs() + 0.5
+        x["k_idx"][61:77, :, 0] = 30.0
+    return {n: t.to(DEVICE) for n, t in x.items()}
+
+
+@pytest.mark.parametrize("case", ["row", "block"])
+@pytest.mark.parametrize("mode", ["sparse", "dense"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_scores_of_minus_inf_give_the_oracles_rows(backend, mode, case):
+    """A row whose scores are all -Inf gets NaN (out, its gradients), as the oracle's softmax,
+    not 0; a block whose scores are all -Inf gets no weight (its partial's LSE -Inf), not
+    ``exp(0)``: the Triton forward once gave 0 and a finite, wrong dV there."""
+    x = _minus_inf_scores(case)
+    block_idx = _oracle_selection(x, 3) if mode == "sparse" else None
+    want = _run("reference", x, mode, 3, block_idx, torch.float64)
+    got = _run(backend, x, mode, 3, block_idx, torch.float32)
+    assert bool(torch.isfinite(got[1])) == bool(torch.isfinite(want[1]))
+    for name, a, b in zip(("out", "kl") + tuple("d" + n for n in NAMES), got, want):
+        if name == "kl":
+            continue
+        bad = _affected(b)
+        assert torch.equal(_affected(a), bad), (
+            f"{name}: non-finite rows {_affected(a).nonzero().tolist()} != oracle "
+            f"{bad.nonzero().tolist()}")
+        assert rel_err(a[~bad], b[~bad]) < REL_TOL, name
+
+
 @pytest.mark.parametrize("tensor", NAMES)
 @pytest.mark.parametrize("mode", ["sparse", "dense"])
 @pytest.mark.parametrize("layout,value", CASES)

@@ -142,7 +142,9 @@ def _attn_fwd_dense_kernel(
         inside = support_mask(krow, kmask, kbase, pos, valid)
         m, l, acc = _fwd_step(q, m, l, acc, k_ptr, v_ptr, krow, kmask, inside, i // IPG,
                               s_kt, s_kh, scale, D, UPCAST, IEEE, ISO)
-    l_safe = tl.where(l == 0, 1.0, l)  # NaN stays NaN
+    # a valid row's support is never empty, so l = 0 means every score was -Inf (an Inf in the
+    # inputs): NaN, as softmax gives it (MSA_SPEC 7); NaN stays NaN
+    l_safe = tl.where(l == 0, float("nan"), l)
     tl.store(o_ptr + q_off, (acc / l_safe[:, None]).to(o_ptr.dtype.element_ty),
              mask=valid[:, None])
     tl.store(lse_ptr + t.to(tl.int64) * s_lt + h, log_sum_exp(m, l), mask=valid)
@@ -247,8 +249,11 @@ def _attn_fwd_blocks_kernel(
             m = tl.where(m == float("-inf"), 0.0, m)
             p = tl.exp2(s - m[:, None])
             l = tl.sum(p, axis=1)
+            # l = 0: every score of the block -Inf (a selected block always holds a key of the
+            # row's support; an Inf in the inputs): LSE -Inf, no weight in the merge
             lse = tl.where(m == float("inf"), m,
-                           (m + tl.log2(tl.where(l == 0, 1.0, l))) * 0.6931471805599453)
+                           tl.where(l == 0, float("-inf"),
+                                    (m + tl.log2(tl.where(l == 0, 1.0, l))) * 0.6931471805599453))
             inv = 1.0 / tl.where(l == 0, 1.0, l)  # NaN stays NaN
             o = support_mma(p.to(vt.dtype), vt, v_bad, inside, UPCAST, IEEE, ISO) * inv[:, None]
             valid = _tile_valid(flat, HPI, HR, TOK)

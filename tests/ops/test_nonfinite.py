@@ -76,6 +76,20 @@ def _affected(t: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(t).all(dim=-1)
 
 
+def _assert_oracle_rows(got, want):
+    """Every result of :func:`_run` but the KL: non-finite in exactly the oracle's (token, head)
+    rows, within ``REL_TOL`` of it on the others."""
+    names = ("out", "kl") + tuple("d" + n for n in NAMES)
+    for name, a, b in zip(names, got, want):
+        if name == "kl":
+            continue
+        bad = _affected(b)
+        assert torch.equal(_affected(a), bad), (
+            f"{name}: non-finite rows {_affected(a).nonzero().tolist()} != oracle "
+            f"{bad.nonzero().tolist()}")
+        assert rel_err(a[~bad], b[~bad]) < REL_TOL, name
+
+
 def _oracle_selection(x, top_k):
     return select_blocks(x["q_idx"].double(), x["k_idx"].double(), x["cu_seqlens"],
                          block_size=BLOCK, top_k=top_k, backend="reference")
@@ -91,19 +105,11 @@ def test_non_finite_reaches_only_the_oracle_rows(backend, layout, value, mode, t
     block_idx = _oracle_selection(x, top_k) if mode == "sparse" else None
     want = _run("reference", x, mode, top_k, block_idx, torch.float64)
     got = _run(backend, x, mode, top_k, block_idx, torch.float32)
-    names = ("out", "kl") + tuple("d" + n for n in NAMES)
     kl_got, kl_want = got[1], want[1]
     assert bool(torch.isfinite(kl_got)) == bool(torch.isfinite(kl_want)), (kl_got, kl_want)
     if torch.isfinite(kl_want):
         assert abs(kl_got.item() - kl_want.item()) <= REL_TOL * abs(kl_want.item()) + 1e-7
-    for name, a, b in zip(names, got, want):
-        if name == "kl":
-            continue
-        bad = _affected(b)
-        assert torch.equal(_affected(a), bad), (
-            f"{name}: non-finite rows {_affected(a).nonzero().tolist()} != oracle "
-            f"{bad.nonzero().tolist()}")
-        assert rel_err(a[~bad], b[~bad]) < REL_TOL, name
+    _assert_oracle_rows(got, want)
 
 
 def _minus_inf_scores(case: str):
@@ -140,14 +146,7 @@ def test_scores_of_minus_inf_give_the_oracles_rows(backend, mode, case):
     want = _run("reference", x, mode, 3, block_idx, torch.float64)
     got = _run(backend, x, mode, 3, block_idx, torch.float32)
     assert bool(torch.isfinite(got[1])) == bool(torch.isfinite(want[1]))
-    for name, a, b in zip(("out", "kl") + tuple("d" + n for n in NAMES), got, want):
-        if name == "kl":
-            continue
-        bad = _affected(b)
-        assert torch.equal(_affected(a), bad), (
-            f"{name}: non-finite rows {_affected(a).nonzero().tolist()} != oracle "
-            f"{bad.nonzero().tolist()}")
-        assert rel_err(a[~bad], b[~bad]) < REL_TOL, name
+    _assert_oracle_rows(got, want)
 
 
 @pytest.mark.parametrize("tensor", NAMES)

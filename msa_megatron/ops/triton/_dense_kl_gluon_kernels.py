@@ -67,6 +67,19 @@ def _barriers(N: gl.constexpr):
 
 
 @gluon.jit
+def _program(nlo_ptr, nhi_ptr, ch_lo, ch_hi):
+    """``(i, m, lo, hi)`` of this program: index head ``i`` and query tile ``m`` of the grid
+    ``(Hi, query tiles)`` (a query tile's index heads side by side, the longest tiles, the
+    causal triangle's last rows, first: the launch's tail is its shortest), and its key tiles
+    ``[lo, hi)`` met with the chunk ``[ch_lo, ch_hi)``."""
+    i = gl.program_id(0)
+    m = gl.num_programs(1) - 1 - gl.program_id(1)
+    lo = gl.maximum(gl.load(nlo_ptr + m), ch_lo)
+    hi = gl.minimum(gl.load(nhi_ptr + m), ch_hi)
+    return i, m, lo, hi
+
+
+@gluon.jit
 def _producer(q_desc, k_desc, qi_desc, ki_desc, q_smem, k_smem, ki_smem, qi_smem, q_ready,
               q_empty, kv_ready, kv_empty, ki_ready, ki_empty, qi_ready, m, i, g, j, lo, hi,
               G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
@@ -212,12 +225,7 @@ def dense_kl_pass_a(q_desc, k_desc, qi_desc, ki_desc, dz_desc, lse2_ptr, lsez_pt
     """Program (query tile ``m``, index head ``i``; the last query tiles first): key tiles
     ``[max(n_lo[m], ch_lo), min(n_hi[m], ch_hi))``; rings and barriers, then the consumer
     (default partition) and the producer (1 worker warp)."""
-    # grid (Hi, query tiles): the index heads of a query tile run side by side, the longest
-    # query tiles (the causal triangle's last rows) first: the launch's tail is its shortest
-    i = gl.program_id(0)
-    m = gl.num_programs(1) - 1 - gl.program_id(1)
-    lo = gl.maximum(gl.load(nlo_ptr + m), ch_lo)
-    hi = gl.minimum(gl.load(nhi_ptr + m), ch_hi)
+    i, m, lo, hi = _program(nlo_ptr, nhi_ptr, ch_lo, ch_hi)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [QS, BM, D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [KS, BN, D], k_desc.layout)
     ki_smem = gl.allocate_shared_memory(ki_desc.dtype, [BN, DI], ki_desc.layout)
@@ -399,12 +407,7 @@ def dense_kl_pass_a_split(q_desc, k_desc, qi_desc, ki_desc, dz_desc, lse2_ptr, l
                           PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """Pass A with the teacher loop and the epilogue in two warpgroups (section comment above);
     program, arguments and results as :func:`dense_kl_pass_a` (``KI_AT`` fixed: ``G - 1``)."""
-    # grid (Hi, query tiles): the index heads of a query tile run side by side, the longest
-    # query tiles (the causal triangle's last rows) first: the launch's tail is its shortest
-    i = gl.program_id(0)
-    m = gl.num_programs(1) - 1 - gl.program_id(1)
-    lo = gl.maximum(gl.load(nlo_ptr + m), ch_lo)
-    hi = gl.minimum(gl.load(nhi_ptr + m), ch_hi)
+    i, m, lo, hi = _program(nlo_ptr, nhi_ptr, ch_lo, ch_hi)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [QS, BM, D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [KS, BN, D], k_desc.layout)
     ki_smem = gl.allocate_shared_memory(ki_desc.dtype, [BN, DI], ki_desc.layout)

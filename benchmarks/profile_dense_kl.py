@@ -35,16 +35,23 @@ def profile(tokens: int, budget: int) -> dict:
         return g.dense_kl_chunked(*x, *scales, pass_a=g.pass_a_gluon, budget=budget)
 
     wall = time_ms(call, 3)["median"]
+    return dict(tokens=tokens, budget=budget, wall_ms=wall, kernels=kernel_times(call, 3, 90))
+
+
+def kernel_times(call, calls: int, name_chars: int) -> dict:
+    """torch.profiler's CUDA time of each kernel ``call`` launches, over ``calls`` calls: ``{name
+    (first name_chars characters): {"ms_per_call", "count" (per call)}}``."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
+        for _ in range(calls):
             call()
         torch.cuda.synchronize()
     kernels = {}
     for ev in prof.key_averages():
         us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
         if us > 0:
-            kernels[ev.key[:90]] = dict(ms_per_call=us / 3 / 1000, count=ev.count // 3)
-    return dict(tokens=tokens, budget=budget, wall_ms=wall, kernels=kernels)
+            kernels[ev.key[:name_chars]] = dict(ms_per_call=us / calls / 1000,
+                                                count=ev.count // calls)
+    return kernels
 
 
 def main() -> None:

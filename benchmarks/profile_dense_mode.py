@@ -24,21 +24,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_compile import (PAPER, kl_only_fn, loss_and_grads, make_inputs, op_fn,  # noqa: E402
                            sdpa_fn, time_ms)
+from profile_dense_kl import kernel_times  # noqa: E402
 from provenance import git_commit  # noqa: E402
 
 
 def profile(call, calls: int = 3) -> dict:
     """Wall time of ``call`` (ms, median) and its kernels' CUDA time per call (ms)."""
     wall = time_ms(call, calls)["median"]
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            call()
-        torch.cuda.synchronize()
-    kernels = {}
-    for ev in prof.key_averages():
-        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if us > 0:
-            kernels[ev.key[:100]] = dict(ms_per_call=us / calls / 1000, count=ev.count // calls)
+    kernels = kernel_times(call, calls, 100)
     busy = sum(k["ms_per_call"] for k in kernels.values())
     return dict(wall_ms=wall, busy_ms=busy, idle_ms=wall - busy, kernels=kernels)
 

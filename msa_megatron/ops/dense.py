@@ -226,6 +226,8 @@ ROUTES: Dict[str, Route] = {
     "flash": Route("flash", _flash_forward, _flash_backward, deterministic_backward=True),
 }
 _PROBED: Dict[tuple, Optional[str]] = {}  # (route, device, dtype, D, gqa) -> None if ok else why
+# (route, device, dtype, D, gqa) -> whether the route's LSE marks every bad query row
+_LSE_GUARDS: Dict[tuple, bool] = {}
 
 
 def backend_setting() -> str:
@@ -280,11 +282,41 @@ def _probe(route: Route, q: torch.Tensor, k: torch.Tensor) -> Optional[str]:
         why = _check_route(route, q.device, q.dtype, q.shape[-1], 2 if key[-1] else 1)
     except Exception as err:  # noqa: BLE001 - any failure means: do not use this route
         why = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+    if why is None:  # what dense_forward may skip for this route (lse_guards_q)
+        lse_guards_q(route, q, k)
     if why is not None:
         warnings.warn(f"msa_megatron dense route {route.name!r} not used on {q.device} "
                       f"({q.dtype}, D={q.shape[-1]}): {why}", RuntimeWarning, stacklevel=3)
     _PROBED[key] = why
     return why
+
+
+def _lse_guards_q(route: Route, device, dtype, D: int, group: int) -> bool:
+    """Whether ``route``'s forward gives every query row holding NaN/Inf a non-finite LSE (so
+    its forward can skip summing ``q`` and check its LSE afterwards, :func:`dense_forward`).
+
+    Small packed problem with three bad query rows: a NaN entry, ``+inf`` against keys of both
+    signs, and ``-inf`` against keys that are all positive in that dimension (every score of
+    the row ``-inf``: the case a vendor kernel may give a finite sentinel LSE); the good rows
+    must keep a finite LSE. Any exception: False."""
+    try:
+        gen = torch.Generator(device="cpu").manual_seed(13)
+        T, Hkv = 96, 2
+        Hq = Hkv * group
+        q, k, v = (torch.randn(T, h, D, generator=gen) for h in (Hq, Hkv, Hkv))
+        k[:, 0, 0] = k[:, 0, 0].abs() + 0.5
+        bad = {(20, 0): float("-inf"), (50, 0): float("nan"), (80, Hq - 1): float("inf")}
+        for (row, head), value in bad.items():
+            q[row, head, 0] = value
+        q, k, v = (t.to(device, dtype) for t in (q, k, v))
+        seqs = Sequences(torch.tensor([0, T], dtype=torch.int32, device=device), T, T)
+        _, lse = route.forward(q, k, v, seqs, D ** -0.5)
+        want = torch.zeros(T, Hq, dtype=torch.bool)
+        for row, head in bad:
+            want[row, head] = True
+        return bool(torch.equal(~torch.isfinite(lse.float().cpu()), want))
+    except Exception:  # noqa: BLE001 - any failure: keep summing q before the vendor call
+        return False
 
 
 def _probe_lengths(route: Route, D: int) -> list:
@@ -423,24 +455,50 @@ def _all_finite(*tensors: torch.Tensor) -> bool:
     return bool(torch.isfinite(sums.sum()))
 
 
+def lse_guards_q(route: Route, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """:func:`_lse_guards_q` for inputs like ``q``/``k``, run once per (route, device, dtype,
+    head dim, GQA or not) and remembered."""
+    key = (route.name, str(q.device), q.dtype, q.shape[-1], q.shape[1] != k.shape[1])
+    if key not in _LSE_GUARDS:
+        _LSE_GUARDS[key] = _lse_guards_q(route, q.device, q.dtype, q.shape[-1],
+                                         q.shape[1] // k.shape[1])
+    return _LSE_GUARDS[key]
+
+
 def dense_forward(q, k, v, q_pos, q_kbase, softmax_scale: float):
     """``(out [T, Hq, D], lse [T, Hq] fp32)`` from a vendor route, or None when none applies
     (caller runs its own kernels). Inputs as in the backend contract (``block_idx=None``);
-    inputs holding NaN/Inf never take a vendor route (:func:`_all_finite`)."""
+    inputs holding NaN/Inf never get a vendor route's result (:func:`_all_finite`).
+
+    Where the route's LSE marks every query row holding NaN/Inf (:func:`lse_guards_q`, checked
+    once per route and input kind), ``q`` is not summed (0.5 GB at the paper's 32K): the vendor
+    forward runs and its LSE, ``k`` and ``v`` are checked afterwards (one host sync, the GPU
+    busy meanwhile); a non-finite one drops the vendor result for our kernels. Otherwise
+    ``q``, ``k`` and ``v`` are checked first."""
     if forward_route(q, k) is None:  # nothing to use whatever the layout: no host sync
         return None
     seqs = standard_sequences(q_pos, q_kbase, k.shape[0])
-    if seqs is None or not _all_finite(q, k, v):
+    if seqs is None:
         return None
+    checked = False
     while True:
         route = forward_route(q, k, seqs)
         if route is None:
             return None
+        after = lse_guards_q(route, q, k)
+        if not after and not checked:
+            if not _all_finite(q, k, v):
+                return None
+            checked = True
         try:
-            return route.forward(q.contiguous(), k.contiguous(), v.contiguous(), seqs,
-                                 float(softmax_scale))
+            out, lse = route.forward(q.contiguous(), k.contiguous(), v.contiguous(), seqs,
+                                     float(softmax_scale))
         except RuntimeError as err:
             _refuse(route, q, k, err)
+            continue
+        if after and not checked and not _all_finite(lse, k, v):
+            return None
+        return out, lse
 
 
 def dense_backward(dout, q, k, v, out, lse, q_pos, q_kbase, softmax_scale: float):
@@ -480,4 +538,4 @@ def route_report(q: torch.Tensor, k: torch.Tensor) -> dict:
 
 
 __all__ = ["ROUTES", "Route", "Sequences", "backward_route", "dense_backward", "dense_forward",
-           "forward_route", "route_report", "standard_sequences"]
+           "forward_route", "lse_guards_q", "route_report", "standard_sequences"]

@@ -92,6 +92,7 @@ def fake_routes(monkeypatch):
         monkeypatch.setattr(dense, "ROUTES", {"cudnn": rec.route("cudnn", False),
                                               "flash": rec.route("flash", True)})
         monkeypatch.setattr(dense, "_PROBED", {})
+        monkeypatch.setattr(dense, "_LSE_GUARDS", {})
         monkeypatch.setattr(dense, "_supported", lambda q, k: q.dtype == torch.float32)
         monkeypatch.setitem(dense._PROBE_TOL, torch.float32, 1e-4)
         return rec
@@ -250,6 +251,56 @@ def test_non_finite_inputs_keep_our_kernels(fake_routes, monkeypatch, seed, tens
         assert torch.equal(a.isnan(), b.isnan()), name
         assert name == "kl" or torch.isfinite(a[:23]).all(), name  # first sequence
         assert_close(a.nan_to_num(), b.nan_to_num(), 1e-5, name)
+
+
+def _guarded(route):
+    """``route`` whose forward marks every query row holding NaN/Inf with a NaN LSE (PyTorch's
+    CPU attention gives a row whose scores are all -Inf the LSE 0: not guarded)."""
+    def forward(q, k, v, seqs, scale):
+        out, lse = route.forward(q, k, v, seqs, scale)
+        return out, torch.where(torch.isfinite(q).all(-1), lse, float("nan"))
+
+    return route._replace(forward=forward)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("tensor", ["q", "q_row_minus_inf", "k", "v", "none"])
+def test_forward_checks_lse_after_a_guarded_route(fake_routes, monkeypatch, seed, tensor):
+    """A route whose LSE marks bad query rows (dense.lse_guards_q) runs before the check, q is
+    not summed, and its result is dropped when lse, k or v is non-finite: the layer equals our
+    kernels' and no vendor backward runs. An unguarded route (the plain fakes: LSE 0 for a row
+    of -Inf scores) keeps the check before the call."""
+    x = _inputs(seed)
+    with torch.no_grad():
+        if tensor == "q_row_minus_inf":  # row 30, head 1 (KV head 0): every score -Inf
+            x["k"][:, 0, 2] = x["k"][:, 0, 2].abs() + 0.5
+            x["q"][30, 1, 2] = float("-inf")
+        elif tensor != "none":
+            x[tensor][30, 1, 2] = float("nan")
+    monkeypatch.setenv(dense.BACKEND_ENV, "kernels")
+    ours = _run(x)
+    monkeypatch.delenv(dense.BACKEND_ENV)
+    rec = fake_routes()
+    assert not dense.lse_guards_q(dense.ROUTES["cudnn"], x["q"], x["k"])
+    monkeypatch.setattr(dense, "_LSE_GUARDS", {})
+    monkeypatch.setattr(dense, "ROUTES", {n: _guarded(r) for n, r in dense.ROUTES.items()})
+    for name in ("cudnn", "flash"):
+        assert dense._probe(dense.ROUTES[name], x["q"], x["k"]) is None
+        assert dense.lse_guards_q(dense.ROUTES[name], x["q"], x["k"])
+    rec.calls.clear()
+    sums = []
+    real_all_finite = dense._all_finite
+    monkeypatch.setattr(dense, "_all_finite",
+                        lambda *ts: sums.append([t.shape for t in ts]) or real_all_finite(*ts))
+    routed = _run(x)
+    T, Hq = x["q"].shape[:2]
+    assert sums[0][0] == (T, Hq)  # the forward's first check is lse's, not q's
+    assert rec.calls[0] == ("cudnn", "fwd")
+    if tensor != "none":
+        assert rec.calls == [("cudnn", "fwd")]  # the result dropped, no vendor backward
+    for name, a, b in zip(("out", "kl") + NAMES, routed, ours):
+        assert torch.equal(a.isnan(), b.isnan()), name
+        assert_close(a.nan_to_num(), b.nan_to_num(), 1e-4, name)
 
 
 @pytest.mark.parametrize("tensor,value", [("lse", float("nan")), ("k", float("nan")),
@@ -460,8 +511,10 @@ def test_probe_inside_the_custom_op_accepts_the_routes(fake_routes, monkeypatch,
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*dense route", category=RuntimeWarning)
         routed = _run(x)
-    probe_cudnn, probe_flash = [("cudnn", "fwd"), ("cudnn", "bwd", False)], [
-        ("flash", "fwd"), ("flash", "bwd", True)]
+    # each probe: the checked forward and backward, then the forward on bad query rows
+    # (dense.lse_guards_q)
+    probe_cudnn = [("cudnn", "fwd"), ("cudnn", "bwd", False), ("cudnn", "fwd")]
+    probe_flash = [("flash", "fwd"), ("flash", "bwd", True), ("flash", "fwd")]
     assert rec.calls == probe_cudnn + [("cudnn", "fwd")] + probe_flash + [("flash", "bwd", True)]
     assert dense.route_report(x["q"], x["k"])["refused"] == {}
     for name, a, b in zip(("out", "kl") + NAMES, routed, ours):
@@ -620,7 +673,7 @@ def test_cudnn_route_probe_accepts_it_and_refuses_a_wrong_dq(monkeypatch):
     monkeypatch.setattr(dense, "_cudnn_ops", lambda: (fake.forward, fake.backward))
     q, k = torch.zeros(4, 4, 16), torch.zeros(4, 2, 16)
     assert dense._probe(dense.ROUTES["cudnn"], q, k) is None
-    assert fake.calls == ["fwd", "bwd"]
+    assert fake.calls == ["fwd", "bwd", "fwd"]  # the last: dense.lse_guards_q's bad rows
     monkeypatch.setattr(dense, "_PROBED", {})
     wrong = FakeCudnn(dq_factor=1e6)
     monkeypatch.setattr(dense, "_cudnn_ops", lambda: (wrong.forward, wrong.backward))
@@ -647,7 +700,7 @@ def test_dense_mode_takes_cudnn_for_equal_lengths(fake_routes, monkeypatch, seed
         "cudnn", dense._cudnn_forward, dense._cudnn_backward, False, dense._cudnn_takes))
     monkeypatch.setenv(dense.DETERMINISTIC_ENV, "0")
     routed = _run(x)
-    probe = ["fwd", "bwd"]
+    probe = ["fwd", "bwd", "fwd"]  # the checked pair, then dense.lse_guards_q's bad rows
     assert fake.calls == probe + (["fwd", "bwd"] if cudnn_used else [])
     flash_calls = [c for c in rec.calls if c[0] == "flash"]
     assert (flash_calls == []) == cudnn_used, rec.calls

@@ -350,20 +350,22 @@ def pass_a_gluon(a: _Launch) -> None:
 def dense_kl_chunked(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: float,
                      index_scale: float, kl_scale: float, compute_grad: bool,
                      pass_a: Callable[[_Launch], None], bm: int = BLOCK_M, bn: int = BLOCK_N,
-                     budget: int = DZ_BUDGET_BYTES, dz_fill: float | None = None) -> tuple:
+                     budget: int | None = None, dz_fill: float | None = None) -> tuple:
     """The key-chunk orchestration (module docstring) with pass A swappable
     (:func:`pass_a_gluon` on the GPU, :func:`pass_a_torch` in CPU tests); pass B
     (:func:`pass_b`, launched as the ``PASS_B_*`` constants say) and ``lse_z`` (as
     :data:`LSE_Z_KERNEL` says: :func:`.dense_lse_z.student_lse_finite` with its own tiles, or
     :func:`.dense_kl.student_lse` with :data:`LSE_Z_TILES`) are the Triton kernels. Arguments
     and result as :func:`.dense_kl.dense_kl_loss`; ``bm``, ``bn``: pass A's tiles (pass B's
-    too); ``budget``: bytes of the ``dz`` buffer; ``dz_fill``: fill the buffer with this value
+    too); ``budget``: bytes of the ``dz`` buffer (None: :data:`DZ_BUDGET_BYTES`, read at each
+    call); ``dz_fill``: fill the buffer with this value
     first (tests: unwritten tiles show)."""
     Tq, Hq, D = q.shape
     Tk, Hkv, _ = k.shape
     Hi, Di = q_idx.shape[1], q_idx.shape[2]
     Hik = k_idx.shape[1]
     dev = q.device
+    budget = DZ_BUDGET_BYTES if budget is None else budget
     q, k, q_idx, k_idx = (x.contiguous() if x.contiguous().data_ptr() % 16 == 0
                           else x.contiguous().clone() for x in (q, k, q_idx, k_idx))
     lse = lse.float().contiguous()

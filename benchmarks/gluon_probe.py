@@ -794,7 +794,7 @@ def compile_kl_sm90(name: str) -> dict:
         descs[arg] = f"tensordesc<bf16[{block[0]}, {block[1]}],{layout!r}>"
     signature = dict(descs, lse2_ptr="*fp32", lsez_ptr="*fp32", qpos_ptr="*i32", qkb_ptr="*i32",
                      nlo_ptr="*i32", nhi_ptr="*i32", dq_ptr="*fp32", klpart_ptr="*fp32",
-                     Tq="i32", Tq_pad="i32", ch_lo="i32", ch_hi="i32", scale2="fp32",
+                     Tq="i32", Tq_pad="i32", r0="i32", ch_lo="i32", ch_hi="i32", scale2="fp32",
                      iscale="fp32")
     constants = {"HI": INDEX_HEADS, "G": group, "IPG": 1, "HPK": INDEX_HEADS, "BM": bm, "BN": bn,
                  "D": HEAD_DIM, "DI": INDEX_DIM, "QS": kern.Q_STAGES, "KS": kern.KV_STAGES,

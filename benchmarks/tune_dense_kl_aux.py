@@ -382,7 +382,7 @@ def run_compile(kernels=("lse_z", "pass_b")) -> int:
             for m, n, w, s in lse_configs()]
     pb_sig = dict(dz_ptr="*bf16", qi_ptr="*bf16", nlo_ptr="*i32", nhi_ptr="*i32",
                   mlo_ptr="*i32", mhi_ptr="*i32", dkpart_ptr="*fp32", Tq="i32", Tq_pad="i32",
-                  C="i32", ch_lo="i32", s_it="i32", s_ih="i32")
+                  r0="i32", C="i32", ch_lo="i32", s_it="i32", s_ih="i32")
     pb_div = ("dz_ptr", "qi_ptr", "nlo_ptr", "nhi_ptr", "mlo_ptr", "mhi_ptr", "dkpart_ptr",
               "s_it", "s_ih")
     jobs += [(f"pass_b align {a} range_check {r} stages {st} warps {w}", dkg._dk_pass_kernel,

@@ -194,19 +194,26 @@ def test_tile_ranges_cover_the_support_and_agree(lens):
         assert arr == sorted(arr)
 
 
-def test_pass_b_matches_torch():
+@pytest.mark.parametrize("ch_lo,first_row", [(1, False), (3, True)])
+def test_pass_b_matches_torch(ch_lo, first_row):
+    """Pass B against torch for two key tiles of a chunk; ``first_row``: the chunk's buffer
+    starts at the first query row reading it (``r0``, :func:`chunk_plan`), not at row 0."""
     torch.manual_seed(0)
     x = _case([61, 7, 90], (4, 1, 2, 1))
     q_idx, q_pos, q_kbase = x[2], x[4], x[5]
     tq, hi, di = q_idx.shape
-    bm, bn, cols, ch_lo = 16, 32, 64, 1
+    bm, bn, cols = 16, 32, 64
     n_lo, n_hi, m_lo, m_hi = dkg.key_tile_ranges(q_pos, q_kbase, tq, bm, bn)
     tq_pad = dkg.triton.cdiv(tq, bm) * bm
-    dz = torch.randn(hi, tq_pad, cols)
+    r0 = int(m_lo[ch_lo]) * bm if first_row else 0
+    assert r0 > 0 or not first_row
+    dz_full = torch.randn(hi, tq_pad, cols)
+    dz = dz_full[:, r0:].contiguous()
     segs = 3
     part = torch.full((segs, hi, cols, di), float("nan"))
     upcast, ieee = dkg.dot_flags(q_idx.dtype)
-    dkg._dk_pass_kernel[(2, hi, segs)](dz, q_idx, n_lo, n_hi, m_lo, m_hi, part, tq, tq_pad, cols,
+    dkg._dk_pass_kernel[(2, hi, segs)](dz, q_idx, n_lo, n_hi, m_lo, m_hi, part, tq,
+                                       tq_pad - r0, r0, cols,
                                        ch_lo, q_idx.stride(0), q_idx.stride(1), HI=hi, DI=di,
                                        BM=bm, BN=bn, UPCAST=upcast, IEEE=ieee, ALIGN=1,
                                        RANGE_CHECK=True)
@@ -217,7 +224,8 @@ def test_pass_b_matches_torch():
         for m in range(len(n_lo)):
             if n_lo[m] <= n < n_hi[m]:
                 t = torch.arange(m * bm, min(m * bm + bm, tq))
-                want += torch.einsum("itu,tid->iud", dz[:, t, nn * bn:(nn + 1) * bn], q_idx[t])
+                want += torch.einsum("itu,tid->iud", dz_full[:, t, nn * bn:(nn + 1) * bn],
+                                     q_idx[t])
         torch.testing.assert_close(dk[:, nn * bn:(nn + 1) * bn], want, rtol=1e-5, atol=1e-5)
 
 
@@ -228,6 +236,28 @@ def test_supported_reasons_and_the_error_on_cpu():
     lse = torch.zeros(8, 4)
     with pytest.raises(ValueError, match="unsupported inputs: needs a CUDA device"):
         dkg.dense_kl_loss_gluon(x[0], x[1], lse, x[2], x[3], x[4], x[5], 0.25, 0.25, 1.0, True)
+
+
+def test_chunk_plan_covers_the_keys_within_the_budget():
+    """Chunks in order, covering every key tile, each buffer within the budget (or one tile),
+    starting at the first query row reading the chunk; causal rows make later chunks wider."""
+    bm, bn, hi, item = 64, 128, 4, 2
+    for T, budget, count in ((32768, 2 << 30, 3), (131072, 2 << 30, 35), (4096, 2 << 30, 1),
+                             (4096, 1, 32)):
+        n_k = T // bn
+        m_lo = [n * bn // bm for n in range(n_k)]
+        plan = dkg.chunk_plan(m_lo, hi, T, n_k, item, budget, bm, bn)
+        assert len(plan) == count
+        assert [p[0] for p in plan[1:]] == [p[1] for p in plan[:-1]]
+        assert plan[0][0] == 0 and plan[-1][1] == n_k
+        for lo, hi_, r0 in plan:
+            assert r0 == min(m_lo[lo] * bm, T - bm)
+            assert hi * (T - r0) * (hi_ - lo) * bn * item <= budget or hi_ - lo == 1
+        widths = [p[1] - p[0] for p in plan][:-1]  # the last: what is left
+        assert widths == sorted(widths)
+    # key tiles no query tile reads (m_lo = the number of query tiles): r0 stays a real row
+    assert dkg.chunk_plan([0, 2, 2], 1, 128, 3, 2, 64 * 128 * 2, 64, 128) == [
+        (0, 1, 0), (1, 2, 64), (2, 3, 64)]
 
 
 def test_chunk_columns():

@@ -68,7 +68,8 @@ def _emulated_pass_a(qs, ks, dz_in_p, seed=0, timeout=10.0, mutant=None, fused=F
                 desc(a.k_idx, [a.bn, Di]),
                 desc(a.dz_buf.view(-1, a.dz_buf.shape[-1]), [a.bm, a.bn]),
                 P(a.lse2), P(a.lse_z), P(a.q_pos), P(a.q_kbase), P(a.n_lo), P(a.n_hi),
-                P(a.dq), P(a.kl_part), a.Tq, a.Tq_pad, a.ch_lo, a.ch_hi, a.scale2, a.iscale)
+                P(a.dq), P(a.kl_part), a.Tq, a.dz_buf.shape[1], a.r0, a.ch_lo, a.ch_hi,
+                a.scale2, a.iscale)
         common = dict(HI=a.Hi, G=G, IPG=a.Hi // a.Hkv, HPK=a.Hi // a.Hik, BM=a.bm, BN=a.bn,
                       D=D, DI=Di, QS=qs, KS=ks, GRAD=a.grad, DZS=dkg._DZ_SCALE,
                       PRODUCER_REGS=kern.PRODUCER_REGS, num_warps=kern.WARPS)

@@ -117,7 +117,7 @@ def _producer(q_desc, k_desc, qi_desc, ki_desc, q_smem, k_smem, ki_smem, qi_smem
 @gluon.jit
 def _consumer(dz_desc, lse2_ptr, lsez_ptr, qpos_ptr, qkb_ptr, dq_ptr, klpart_ptr, q_smem,
               k_smem, ki_smem, qi_smem, dz_smem, q_ready, q_empty, kv_ready, kv_empty, ki_ready,
-              ki_empty, qi_ready, m, i, lo, hi, ch_lo, Tq, Tq_pad, HI, scale2, iscale,
+              ki_empty, qi_ready, m, i, lo, hi, ch_lo, Tq, Tq_pad, r0, HI, scale2, iscale,
               G: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, DI: gl.constexpr,
               QS: gl.constexpr, KS: gl.constexpr, GRAD: gl.constexpr, DZS: gl.constexpr,
               WARPS: gl.constexpr):
@@ -193,7 +193,9 @@ def _consumer(dz_desc, lse2_ptr, lsez_ptr, qpos_ptr, qkb_ptr, dq_ptr, klpart_ptr
             dz_smem.store(dz)
             fence_async_shared()
             gl.thread_barrier()
-            tma.async_copy_shared_to_global(dz_desc, [i * Tq_pad + m * BM, (n - ch_lo) * BN],
+            # the chunk's buffer holds rows [r0, r0 + Tq_pad) of each index head
+            tma.async_copy_shared_to_global(dz_desc,
+                                            [i * Tq_pad + m * BM - r0, (n - ch_lo) * BN],
                                             dz_smem)
             acc = acc_smem.load(o_layout)  # each thread reads back what it wrote
             acc = warpgroup_mma(dz_smem, ki_smem, acc, is_async=True)
@@ -214,9 +216,10 @@ def _consumer(dz_desc, lse2_ptr, lsez_ptr, qpos_ptr, qkb_ptr, dq_ptr, klpart_ptr
             gl.store(ptrs, gl.load(ptrs, mask=keep, other=0.0) + acc, mask=keep)
 
 
-@gluon.jit(do_not_specialize=("Tq", "Tq_pad", "ch_lo", "ch_hi"))  # one compile per shape class
+# one compile per shape class
+@gluon.jit(do_not_specialize=("Tq", "Tq_pad", "r0", "ch_lo", "ch_hi"))
 def dense_kl_pass_a(q_desc, k_desc, qi_desc, ki_desc, dz_desc, lse2_ptr, lsez_ptr, qpos_ptr,
-                    qkb_ptr, nlo_ptr, nhi_ptr, dq_ptr, klpart_ptr, Tq, Tq_pad, ch_lo, ch_hi,
+                    qkb_ptr, nlo_ptr, nhi_ptr, dq_ptr, klpart_ptr, Tq, Tq_pad, r0, ch_lo, ch_hi,
                     scale2, iscale, HI: gl.constexpr, G: gl.constexpr, IPG: gl.constexpr,
                     HPK: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                     DI: gl.constexpr, QS: gl.constexpr, KS: gl.constexpr, KI_AT: gl.constexpr,
@@ -224,7 +227,9 @@ def dense_kl_pass_a(q_desc, k_desc, qi_desc, ki_desc, dz_desc, lse2_ptr, lsez_pt
                     DZS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """Program (query tile ``m``, index head ``i``; the last query tiles first): key tiles
     ``[max(n_lo[m], ch_lo), min(n_hi[m], ch_hi))``; rings and barriers, then the consumer
-    (default partition) and the producer (1 worker warp)."""
+    (default partition) and the producer (1 worker warp). The chunk's ``dz`` buffer is
+    ``[HI Tq_pad, C]``: rows ``[r0, r0 + Tq_pad)`` of each index head (every program with a key
+    tile in the chunk has ``m BM >= r0``)."""
     i, m, lo, hi = _program(nlo_ptr, nhi_ptr, ch_lo, ch_hi)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [QS, BM, D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [KS, BN, D], k_desc.layout)
@@ -238,8 +243,8 @@ def dense_kl_pass_a(q_desc, k_desc, qi_desc, ki_desc, dz_desc, lse2_ptr, lsez_pt
     gl.warp_specialize([
         (_consumer, (dz_desc, lse2_ptr, lsez_ptr, qpos_ptr, qkb_ptr, dq_ptr, klpart_ptr, q_smem,
                      k_smem, ki_smem, qi_smem, dz_smem, q_ready, q_empty, kv_ready, kv_empty,
-                     ki_ready, ki_empty, qi_ready, m, i, lo, hi, ch_lo, Tq, Tq_pad, HI, scale2,
-                     iscale, G, BM, BN, DI, QS, KS, GRAD, DZS, num_warps)),
+                     ki_ready, ki_empty, qi_ready, m, i, lo, hi, ch_lo, Tq, Tq_pad, r0, HI,
+                     scale2, iscale, G, BM, BN, DI, QS, KS, GRAD, DZS, num_warps)),
         (_producer, (q_desc, k_desc, qi_desc, ki_desc, q_smem, k_smem, ki_smem, qi_smem,
                      q_ready, q_empty, kv_ready, kv_empty, ki_ready, ki_empty, qi_ready, m, i,
                      i // IPG, i // HPK, lo, hi, G, BM, BN, D, DI, QS, KS, KI_AT)),
@@ -325,7 +330,7 @@ def _teacher_split(lse2_ptr, q_smem, k_smem, p_smem, q_ready, q_empty, kv_ready,
 @gluon.jit
 def _epilogue_split(dz_desc, lsez_ptr, qpos_ptr, qkb_ptr, dq_ptr, klpart_ptr, ki_smem, qi_smem,
                     dz_smem, p_smem, p_ready, p_empty, ki_ready, ki_empty, qi_ready, m, i, lo,
-                    hi, ch_lo, Tq, Tq_pad, HI, iscale2, BM: gl.constexpr, BN: gl.constexpr,
+                    hi, ch_lo, Tq, Tq_pad, r0, HI, iscale2, BM: gl.constexpr, BN: gl.constexpr,
                     DI: gl.constexpr, GRAD: gl.constexpr, DZS: gl.constexpr,
                     DZ_IN_P: gl.constexpr, WARPS: gl.constexpr):
     """Epilogue warpgroup (worker): per key step the student product ``z = q_idx k_idx^T``, the
@@ -375,7 +380,9 @@ def _epilogue_split(dz_desc, lsez_ptr, qpos_ptr, qkb_ptr, dq_ptr, klpart_ptr, ki
             dz_smem.store(dz)
             fence_async_shared()
             gl.thread_barrier()
-            tma.async_copy_shared_to_global(dz_desc, [i * Tq_pad + m * BM, (n - ch_lo) * BN],
+            # the chunk's buffer holds rows [r0, r0 + Tq_pad) of each index head
+            tma.async_copy_shared_to_global(dz_desc,
+                                            [i * Tq_pad + m * BM - r0, (n - ch_lo) * BN],
                                             dz_smem)
             acc = warpgroup_mma(dz_smem, ki_smem, acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -396,10 +403,11 @@ def _epilogue_split(dz_desc, lsez_ptr, qpos_ptr, qkb_ptr, dq_ptr, klpart_ptr, ki
             gl.store(ptrs, gl.load(ptrs, mask=keep, other=0.0) + acc, mask=keep)
 
 
-@gluon.jit(do_not_specialize=("Tq", "Tq_pad", "ch_lo", "ch_hi"))  # one compile per shape class
+# one compile per shape class
+@gluon.jit(do_not_specialize=("Tq", "Tq_pad", "r0", "ch_lo", "ch_hi"))
 def dense_kl_pass_a_split(q_desc, k_desc, qi_desc, ki_desc, dz_desc, lse2_ptr, lsez_ptr,
                           qpos_ptr, qkb_ptr, nlo_ptr, nhi_ptr, dq_ptr, klpart_ptr, Tq, Tq_pad,
-                          ch_lo, ch_hi, scale2, iscale, HI: gl.constexpr, G: gl.constexpr,
+                          r0, ch_lo, ch_hi, scale2, iscale, HI: gl.constexpr, G: gl.constexpr,
                           IPG: gl.constexpr, HPK: gl.constexpr, BM: gl.constexpr,
                           BN: gl.constexpr, D: gl.constexpr, DI: gl.constexpr,
                           QS: gl.constexpr, KS: gl.constexpr, GRAD: gl.constexpr,
@@ -431,8 +439,8 @@ def dense_kl_pass_a_split(q_desc, k_desc, qi_desc, ki_desc, dz_desc, lse2_ptr, l
                           KS, num_warps)),
         (_epilogue_split, (dz_desc, lsez_ptr, qpos_ptr, qkb_ptr, dq_ptr, klpart_ptr, ki_smem,
                            qi_smem, dz_smem, p_smem, p_ready, p_empty, ki_ready, ki_empty,
-                           qi_ready, m, i, lo, hi, ch_lo, Tq, Tq_pad, HI, iscale * LOG2E, BM, BN,
-                           DI, GRAD, DZS, DZ_IN_P, 4)),
+                           qi_ready, m, i, lo, hi, ch_lo, Tq, Tq_pad, r0, HI, iscale * LOG2E, BM,
+                           BN, DI, GRAD, DZS, DZ_IN_P, 4)),
         (_producer, (q_desc, k_desc, qi_desc, ki_desc, q_smem, k_smem, ki_smem, qi_smem,
                      q_ready, q_empty, kv_ready, kv_empty, ki_ready, ki_empty, qi_ready, m, i,
                      i // IPG, i // HPK, lo, hi, G, BM, BN, D, DI, QS, KS, G - 1)),

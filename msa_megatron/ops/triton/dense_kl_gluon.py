@@ -154,15 +154,46 @@ def chunk_columns(Hi: int, Tq: int, Tk: int, itemsize: int, budget: int, bn: int
     return min(max(cols, bn), triton.cdiv(Tk, bn) * bn)
 
 
-@triton.jit(do_not_specialize=("Tq", "Tq_pad", "C", "ch_lo"))
+def chunk_plan(m_lo: list, Hi: int, Tq_pad: int, n_k: int, itemsize: int, budget: int, bm: int,
+               bn: int) -> list:
+    """The key chunks ``[(ch_lo, ch_hi, r0)]`` (key tiles ``[ch_lo, ch_hi)``, in order, covering
+    ``[0, n_k)``) whose ``dz`` buffers ``[Hi, Tq_pad - r0, (ch_hi - ch_lo) bn]`` fit ``budget``
+    bytes (at least one key tile each): ``r0 = m_lo[ch_lo] bm`` is the first query row whose
+    tile reads the chunk (``m_lo`` of :func:`key_tile_ranges`, non-decreasing, so no earlier
+    tile reads any key tile of the chunk), at most ``Tq_pad - bm``. Rows before ``r0`` take no
+    room: under causal attention the later chunks are wider (at 32K, 2 GiB, paper heads: 3
+    chunks instead of 4; at 128K 33 instead of 64)."""
+    plan, n = [], 0
+    while n < n_k:
+        r0 = min(m_lo[n] * bm, Tq_pad - bm)
+        width = chunk_columns(Hi, Tq_pad - r0, (n_k - n) * bn, itemsize, budget, bn) // bn
+        plan.append((n, n + width, r0))
+        n += width
+    return plan
+
+
+def _to_host(t: torch.Tensor) -> tuple:
+    """``(host copy, event)``: a pinned asynchronous copy of a CUDA tensor and the event to wait
+    on before reading it (a CPU tensor: itself and None)."""
+    if t.device.type != "cuda":
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+@triton.jit(do_not_specialize=("Tq", "Tq_pad", "r0", "C", "ch_lo"))
 def _dk_pass_kernel(dz_ptr, qi_ptr, nlo_ptr, nhi_ptr, mlo_ptr, mhi_ptr, dkpart_ptr, Tq, Tq_pad,
-                    C, ch_lo, s_it, s_ih, HI: tl.constexpr, DI: tl.constexpr, BM: tl.constexpr,
+                    r0, C, ch_lo, s_it, s_ih, HI: tl.constexpr, DI: tl.constexpr, BM: tl.constexpr,
                     BN: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
                     ALIGN: tl.constexpr, RANGE_CHECK: tl.constexpr):
     """Pass B: program (key tile ``ch_lo + program_id(0)``, index head ``i``, segment ``sg`` of
     ``num_programs(2)``): ``part[sg, i, u - c0] = sum_t dz_buf[i, t, u - c0] q_idx[t, i]`` over
     the ``sg``-th equal share of the query tiles that pass A gave this key tile (fp32, in
-    query-tile order; the segments are summed in order by the host). ``C`` is a multiple of
+    query-tile order; the segments are summed in order by the host); ``dz_buf`` holds rows
+    ``[r0, r0 + Tq_pad)`` of each index head. ``C`` is a multiple of
     ``ALIGN``; ``RANGE_CHECK``: skip query tiles outside ``[n_lo[m], n_hi[m])`` (none are)."""
     if ALIGN > 1:
         C = C // ALIGN * ALIGN  # the same value, known to the compiler as a multiple of ALIGN
@@ -181,7 +212,7 @@ def _dk_pass_kernel(dz_ptr, qi_ptr, nlo_ptr, nhi_ptr, mlo_ptr, mhi_ptr, dkpart_p
         if (not RANGE_CHECK) or ((tl.load(nlo_ptr + m) <= n) & (n < tl.load(nhi_ptr + m))):
             t = m * BM + tl.arange(0, BM)
             valid = t < Tq
-            rows = (i * Tq_pad + t).to(tl.int64)
+            rows = (i * Tq_pad + t - r0).to(tl.int64)
             dz = tl.load(dz_ptr + rows[:, None] * C + cols[None, :], mask=valid[:, None],
                          other=0.0)
             qi = tl.load(qi_ptr + t.to(tl.int64)[:, None] * s_it + i * s_ih + di[None, :],
@@ -200,12 +231,13 @@ def pass_b_segments(n_m: int, key_tiles: int, Hi: int, programs: int) -> int:
 def pass_b(dz_buf: torch.Tensor, q_idx: torch.Tensor, ranges: tuple, dk_part: torch.Tensor,
            Tq: int, ch_lo: int, ch_hi: int, bm: int, bn: int, programs: int | None = None,
            num_warps: int | None = None, num_stages: int | None = None,
-           align: int | None = None, range_check: bool | None = None) -> None:
+           align: int | None = None, range_check: bool | None = None, r0: int = 0) -> None:
     """Pass B of the chunk of key tiles ``[ch_lo, ch_hi)``: ``dk_part[i, u] = sum_t
     dz_buf[i, t, u - ch_lo bn] q_idx[t, i]`` (:func:`_dk_pass_kernel`, then its segments added
     in order) for the chunk's key columns ``u``.
 
-    dz_buf ``[Hi, Tq_pad, C]`` (``C`` a multiple of ``bn``), q_idx ``[Tq, Hi, Di]`` (unit last
+    dz_buf ``[Hi, R, C]``: rows ``[r0, r0 + R)`` of each index head (``C`` a multiple of
+    ``bn``; the chunk's key tiles are read by no query tile before ``r0 / bm``), q_idx ``[Tq, Hi, Di]`` (unit last
     stride), ranges ``(n_lo, n_hi, m_lo, m_hi)`` of :func:`key_tile_ranges`, dk_part
     ``[Hi, >= ch_hi bn, Di]`` fp32. The launch options default to the module's ``PASS_B_*``
     constants (read at each call); ``programs`` changes the order of the sums, the others do
@@ -230,7 +262,7 @@ def pass_b(dz_buf: torch.Tensor, q_idx: torch.Tensor, ranges: tuple, dk_part: to
     part = torch.empty((segs, Hi, cols, Di), dtype=torch.float32, device=dz_buf.device)
     upcast, ieee = dot_flags(q_idx.dtype)
     _dk_pass_kernel[(ch_hi - ch_lo, Hi, segs)](
-        dz_buf, q_idx, n_lo, n_hi, m_lo, m_hi, part, Tq, Tq_pad, cols, ch_lo,
+        dz_buf, q_idx, n_lo, n_hi, m_lo, m_hi, part, Tq, Tq_pad, r0, cols, ch_lo,
         q_idx.stride(0), q_idx.stride(1), HI=Hi, DI=Di, BM=bm, BN=bn, UPCAST=upcast,
         IEEE=ieee, ALIGN=align, RANGE_CHECK=bool(range_check), **options,
     )
@@ -283,7 +315,7 @@ def pass_a_torch(a: _Launch) -> None:
                 dz = (torch.where(inside, torch.exp(log_qs) - teacher, 0.0) * _DZ_SCALE)
                 dz = dz.to(a.q.dtype)
                 c = slice((lo - a.ch_lo) * bn, (hi - a.ch_lo) * bn)
-                a.dz_buf[i, m * bm:(m + 1) * bm, c] = dz
+                a.dz_buf[i, m * bm - a.r0:(m + 1) * bm - a.r0, c] = dz
                 rows = t[valid]
                 a.dq[rows, i] += (dz.float() @ kit)[valid]
 
@@ -327,7 +359,7 @@ def pass_a_gluon(a: _Launch) -> None:
             desc(a.q, [a.bm, D]), desc(a.k, [a.bn, D]), desc(a.q_idx, [a.bm, Di]),
             desc(a.k_idx, [a.bn, Di]), desc(a.dz_buf.view(-1, a.dz_buf.shape[-1]), [a.bm, a.bn]),
             a.lse2, a.lse_z, a.q_pos, a.q_kbase, a.n_lo, a.n_hi, a.dq, a.kl_part, a.Tq,
-            a.Tq_pad, a.ch_lo, a.ch_hi, a.scale2, a.iscale, HI=a.Hi, G=G, IPG=a.Hi // a.Hkv,
+            a.dz_buf.shape[1], a.r0, a.ch_lo, a.ch_hi, a.scale2, a.iscale, HI=a.Hi, G=G, IPG=a.Hi // a.Hkv,
             HPK=a.Hi // a.Hik, BM=a.bm, BN=a.bn, D=D, DI=Di, QS=qs, KS=ks,
             GRAD=a.grad, DZS=_DZ_SCALE, DZ_IN_P=dz_in_p,
             EPILOGUE_REGS=kern.EPILOGUE_REGS, PRODUCER_REGS=kern.PRODUCER_REGS,
@@ -339,8 +371,8 @@ def pass_a_gluon(a: _Launch) -> None:
     kern.dense_kl_pass_a[(a.Hi, len(a.n_lo))](
         desc(a.q, [a.bm, D]), desc(a.k, [a.bn, D]), desc(a.q_idx, [a.bm, Di]),
         desc(a.k_idx, [a.bn, Di]), desc(a.dz_buf.view(-1, a.dz_buf.shape[-1]), [a.bm, a.bn]),
-        a.lse2, a.lse_z, a.q_pos, a.q_kbase, a.n_lo, a.n_hi, a.dq, a.kl_part, a.Tq, a.Tq_pad,
-        a.ch_lo, a.ch_hi, a.scale2, a.iscale, HI=a.Hi, G=G, IPG=a.Hi // a.Hkv,
+        a.lse2, a.lse_z, a.q_pos, a.q_kbase, a.n_lo, a.n_hi, a.dq, a.kl_part, a.Tq,
+        a.dz_buf.shape[1], a.r0, a.ch_lo, a.ch_hi, a.scale2, a.iscale, HI=a.Hi, G=G, IPG=a.Hi // a.Hkv,
         HPK=a.Hi // a.Hik, BM=a.bm, BN=a.bn, D=D, DI=Di, QS=kern.Q_STAGES, KS=kern.KV_STAGES,
         KI_AT=min(2, G - 1), GRAD=a.grad, DZS=_DZ_SCALE,
         PRODUCER_REGS=kern.PRODUCER_REGS, num_warps=kern.WARPS,
@@ -371,19 +403,24 @@ def dense_kl_chunked(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: flo
     lse = lse.float().contiguous()
     lse_tiles = (_LSE_Z_INTERPRETED if interpreting() and LSE_Z_TILES == _LSE_Z_DEFAULT
                  else LSE_Z_TILES)
+    ranges = key_tile_ranges(q_pos, q_kbase, Tk, bm, bn)
+    n_lo, n_hi = ranges[:2]
+    n_m, n_k = triton.cdiv(Tq, bm), triton.cdiv(Tk, bn)
+    Tq_pad = n_m * bm
+    if compute_grad:  # the chunk plan reads m_lo on the host, copied while lse_z runs
+        m_lo_host, copied = _to_host(ranges[2])
     if LSE_Z_KERNEL == "finite":  # the callers hand finite inputs only
         lse_z = student_lse_finite(q_idx, k_idx, q_pos, q_kbase, index_scale)
     elif LSE_Z_KERNEL == "general":
         lse_z = student_lse(q_idx, k_idx, q_pos, q_kbase, index_scale, *lse_tiles)
     else:
         raise ValueError(f"LSE_Z_KERNEL must be 'finite' or 'general', got {LSE_Z_KERNEL!r}")
-    ranges = key_tile_ranges(q_pos, q_kbase, Tk, bm, bn)
-    n_lo, n_hi = ranges[:2]
-    n_m, n_k = triton.cdiv(Tq, bm), triton.cdiv(Tk, bn)
-    Tq_pad = n_m * bm
-    cols = chunk_columns(Hi, Tq_pad, Tk, q.element_size(), budget, bn) if compute_grad \
-        else n_k * bn
-    chunks = range(0, n_k * bn, cols)
+    if compute_grad:
+        if copied is not None:
+            copied.synchronize()
+        plan = chunk_plan(m_lo_host.tolist(), Hi, Tq_pad, n_k, q.element_size(), budget, bm, bn)
+    else:
+        plan = [(0, n_k, 0)]
     # per program of a launch; added into kl_total after each chunk (fixed order), so the KL
     # buffers stay [n_m Hi] whatever the chunk count (a [chunks, n_m Hi] one grows as T^3)
     kl_part = torch.empty(n_m * Hi, dtype=torch.float32, device=dev)
@@ -391,25 +428,28 @@ def dense_kl_chunked(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: flo
     dq = torch.zeros((Tq, Hi, Di) if compute_grad else (1,), dtype=torch.float32, device=dev)
     dk_part = torch.empty((Hi, n_k * bn, Di) if compute_grad else (1,), dtype=torch.float32,
                           device=dev)
-    if compute_grad:
-        dz_buf = torch.empty((Hi, Tq_pad, cols), dtype=q.dtype, device=dev)
+    if compute_grad:  # one buffer, viewed per chunk as [Hi, rows, columns]
+        flat = torch.empty(max(Hi * (Tq_pad - r0) * (hi - lo) * bn for lo, hi, r0 in plan),
+                           dtype=q.dtype, device=dev)
         if dz_fill is not None:
-            dz_buf.fill_(dz_fill)
-    else:
-        dz_buf = torch.empty((1, bm, bn), dtype=q.dtype, device=dev)  # unused (descriptor)
+            flat.fill_(dz_fill)
     # the head mean folded into the exponent: lse log2e + log2 G, [Hq, Tq]
     lse2 = (lse * _LOG2E + math.log2(Hq // Hi)).t().contiguous()
-    for c0 in chunks:
-        ch_lo, ch_hi = c0 // bn, min((c0 + cols) // bn, n_k)
+    for ch_lo, ch_hi, r0 in plan:
+        cols = (ch_hi - ch_lo) * bn
+        if compute_grad:
+            dz_buf = flat[:Hi * (Tq_pad - r0) * cols].view(Hi, Tq_pad - r0, cols)
+        else:
+            dz_buf = q.new_empty((1, bm, bn))  # unused (descriptor)
         kl_part.zero_()  # programs with no key tile in the chunk add nothing
         pass_a(_Launch(q=q, k=k, q_idx=q_idx, k_idx=k_idx, lse2=lse2, lse_z=lse_z, q_pos=q_pos,
                        q_kbase=q_kbase, n_lo=n_lo, n_hi=n_hi, dz_buf=dz_buf, dq=dq,
-                       kl_part=kl_part, Tq=Tq, Tk=Tk, Tq_pad=Tq_pad, C=cols, ch_lo=ch_lo,
-                       ch_hi=ch_hi, Hq=Hq, Hkv=Hkv, Hi=Hi, Hik=Hik, bm=bm, bn=bn,
+                       kl_part=kl_part, Tq=Tq, Tk=Tk, Tq_pad=Tq_pad, r0=r0, C=cols,
+                       ch_lo=ch_lo, ch_hi=ch_hi, Hq=Hq, Hkv=Hkv, Hi=Hi, Hik=Hik, bm=bm, bn=bn,
                        scale2=float(softmax_scale) * _LOG2E, iscale=float(index_scale),
                        grad=compute_grad))
         if compute_grad:
-            pass_b(dz_buf, q_idx, ranges, dk_part, Tq, ch_lo, ch_hi, bm, bn)
+            pass_b(dz_buf, q_idx, ranges, dk_part, Tq, ch_lo, ch_hi, bm, bn, r0=r0)
         kl_total += kl_part
     value = kl_total.sum() * kl_scale
     if not compute_grad:

@@ -528,13 +528,15 @@ def dense_backward(dout, q, k, v, out, lse, q_pos, q_kbase, softmax_scale: float
 
 def route_report(q: torch.Tensor, k: torch.Tensor) -> dict:
     """What the dense mode uses for inputs like ``q``/``k``: forward and backward route names
-    (``"kernels"`` = ours), the deterministic flag and why any probed route was refused."""
+    (``"kernels"`` = ours), the deterministic flag, why any probed route was refused, and
+    whether the forward skips summing ``q`` (:func:`lse_guards_q`)."""
     fwd = forward_route(q, k)
     bwd, deterministic = backward_route(q, k)
     refused = {f"{k_[0]} {k_[2]} D={k_[3]} gqa={k_[4]}": why
                for k_, why in _PROBED.items() if why is not None}
     return {"forward": fwd.name if fwd else "kernels", "backward": bwd.name if bwd else "kernels",
-            "deterministic": deterministic, "setting": backend_setting(), "refused": refused}
+            "deterministic": deterministic, "setting": backend_setting(), "refused": refused,
+            "forward_reads_q_through_lse": bool(fwd is not None and lse_guards_q(fwd, q, k))}
 
 
 __all__ = ["ROUTES", "Route", "Sequences", "backward_route", "dense_backward", "dense_forward",

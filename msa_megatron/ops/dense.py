@@ -295,21 +295,25 @@ def _lse_guards_q(route: Route, device, dtype, D: int, group: int) -> bool:
     """Whether ``route``'s forward gives every query row holding NaN/Inf a non-finite LSE (so
     its forward can skip summing ``q`` and check its LSE afterwards, :func:`dense_forward`).
 
-    Small packed problem with three bad query rows: a NaN entry, ``+inf`` against keys of both
-    signs, and ``-inf`` against keys that are all positive in that dimension (every score of
-    the row ``-inf``: the case a vendor kernel may give a finite sentinel LSE); the good rows
-    must keep a finite LSE. Any exception: False."""
+    Two sequences of 316 tokens (equal lengths: every route takes them) with bad query rows: a
+    NaN entry, ``+inf`` against keys of both signs, and ``-inf`` against keys that are all
+    positive in that dimension (every score of the row ``-inf``: the case a vendor kernel may
+    give a finite sentinel LSE), in the first key tile, past the second 128-key tile (a
+    kernel's unmasked key loop) and at a sequence start; the good rows must keep a finite LSE.
+    Any exception: False."""
     try:
         gen = torch.Generator(device="cpu").manual_seed(13)
-        T, Hkv = 96, 2
-        Hq = Hkv * group
+        S, Hkv = 316, 2
+        T, Hq = 2 * S, Hkv * group
         q, k, v = (torch.randn(T, h, D, generator=gen) for h in (Hq, Hkv, Hkv))
         k[:, 0, 0] = k[:, 0, 0].abs() + 0.5
-        bad = {(20, 0): float("-inf"), (50, 0): float("nan"), (80, Hq - 1): float("inf")}
+        bad = {(20, 0): float("-inf"), (50, 0): float("nan"), (80, Hq - 1): float("inf"),
+               (290, 0): float("-inf"), (300, Hq - 1): float("nan"), (S, 0): float("-inf"),
+               (S + 270, 0): float("inf")}
         for (row, head), value in bad.items():
             q[row, head, 0] = value
         q, k, v = (t.to(device, dtype) for t in (q, k, v))
-        seqs = Sequences(torch.tensor([0, T], dtype=torch.int32, device=device), T, T)
+        seqs = Sequences(torch.tensor([0, S, T], dtype=torch.int32, device=device), S, S)
         _, lse = route.forward(q, k, v, seqs, D ** -0.5)
         want = torch.zeros(T, Hq, dtype=torch.bool)
         for row, head in bad:

@@ -260,6 +260,46 @@ def test_chunk_plan_covers_the_keys_within_the_budget():
         (0, 1, 0), (1, 2, 64), (2, 3, 64)]
 
 
+def test_chunk_plan_rows_hold_every_program_of_every_layout():
+    """Every pass-A program with key tiles in a chunk, and every query tile pass B reads for
+    it, starts at or after the chunk's first buffer row ``r0`` (packed documents, every CP rank
+    of megatron-core's split, arbitrary rows with ``pos = -1`` and ``Tq != Tk``; several tiles
+    and budgets)."""
+    import random
+
+    rnd, gen = random.Random(0), torch.Generator().manual_seed(0)
+    layouts = []
+    for _ in range(20):
+        cp = rnd.choice([1, 2, 4])
+        lens = [rnd.randint(0, 60) * 2 * cp for _ in range(rnd.randint(1, 4))]
+        if sum(lens) == 0:
+            continue
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        if cp == 1:
+            layouts.append((*query_layout(cu, sum(lens), "cpu"), sum(lens)))
+        else:
+            for r in range(cp):
+                lay = build_cp_layout(cu, cp, r, 1, torch.device("cpu"))
+                layouts.append((lay.q_pos, lay.q_kbase, sum(lens)))
+    for tq, tk in ((37, 100), (130, 61), (5, 3), (200, 1000)):
+        kb = torch.randint(0, tk, (tq,), generator=gen)
+        pos = torch.minimum(torch.randint(-1, tk, (tq,), generator=gen), tk - 1 - kb)
+        layouts.append((pos.int(), kb.int(), tk))
+    for qp, qk, tk in layouts:
+        for bm, bn in ((16, 32), (64, 128), (64, 16)):
+            n_lo, n_hi, m_lo, m_hi = (x.tolist() for x in dkg.key_tile_ranges(qp, qk, tk, bm, bn))
+            tq_pad = len(n_lo) * bm
+            for budget in (1, 2 * tq_pad * bn * 6, 1 << 30):
+                plan = dkg.chunk_plan(m_lo, 2, tq_pad, len(m_lo), 2, budget, bm, bn)
+                assert plan[0][0] == 0 and plan[-1][1] == len(m_lo)
+                for lo, hi, r0 in plan:
+                    assert 0 <= r0 <= tq_pad - bm and r0 % bm == 0
+                    assert all(m * bm >= r0 for m in range(len(n_lo))
+                               if max(n_lo[m], lo) < min(n_hi[m], hi))
+                    assert all(m * bm >= r0 for n in range(lo, hi)
+                               for m in range(m_lo[n], m_hi[n]))
+
+
 def test_chunk_columns():
     assert dkg.chunk_columns(4, 1000, 5000, 2, 4 * 1000 * 2 * 300, 128) == 256
     assert dkg.chunk_columns(4, 1000, 5000, 2, 1, 128) == 128  # at least one tile

@@ -162,7 +162,7 @@ def chunk_plan(m_lo: list, Hi: int, Tq_pad: int, n_k: int, itemsize: int, budget
     tile reads the chunk (``m_lo`` of :func:`key_tile_ranges`, non-decreasing, so no earlier
     tile reads any key tile of the chunk), at most ``Tq_pad - bm``. Rows before ``r0`` take no
     room: under causal attention the later chunks are wider (at 32K, 2 GiB, paper heads: 3
-    chunks instead of 4; at 128K 33 instead of 64)."""
+    chunks instead of 4; at 128K 35 instead of 64)."""
     plan, n = [], 0
     while n < n_k:
         r0 = min(m_lo[n] * bm, Tq_pad - bm)
@@ -180,7 +180,7 @@ def _to_host(t: torch.Tensor) -> tuple:
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     event = torch.cuda.Event()
-    event.record()
+    event.record(torch.cuda.current_stream(t.device))
     return host, event
 
 
@@ -315,6 +315,8 @@ def pass_a_torch(a: _Launch) -> None:
                 dz = (torch.where(inside, torch.exp(log_qs) - teacher, 0.0) * _DZ_SCALE)
                 dz = dz.to(a.q.dtype)
                 c = slice((lo - a.ch_lo) * bn, (hi - a.ch_lo) * bn)
+                # (TMA drops rows outside the buffer; a slice would wrap a negative one)
+                assert a.r0 <= m * bm and (m + 1) * bm - a.r0 <= a.dz_buf.shape[1]
                 a.dz_buf[i, m * bm - a.r0:(m + 1) * bm - a.r0, c] = dz
                 rows = t[valid]
                 a.dq[rows, i] += (dz.float() @ kit)[valid]
@@ -431,14 +433,14 @@ def dense_kl_chunked(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: flo
     if compute_grad:  # one buffer, viewed per chunk as [Hi, rows, columns]
         flat = torch.empty(max(Hi * (Tq_pad - r0) * (hi - lo) * bn for lo, hi, r0 in plan),
                            dtype=q.dtype, device=dev)
-        if dz_fill is not None:
-            flat.fill_(dz_fill)
     # the head mean folded into the exponent: lse log2e + log2 G, [Hq, Tq]
     lse2 = (lse * _LOG2E + math.log2(Hq // Hi)).t().contiguous()
     for ch_lo, ch_hi, r0 in plan:
         cols = (ch_hi - ch_lo) * bn
         if compute_grad:
             dz_buf = flat[:Hi * (Tq_pad - r0) * cols].view(Hi, Tq_pad - r0, cols)
+            if dz_fill is not None:  # every chunk's unwritten tiles show
+                dz_buf.fill_(dz_fill)
         else:
             dz_buf = q.new_empty((1, bm, bn))  # unused (descriptor)
         kl_part.zero_()  # programs with no key tile in the chunk add nothing

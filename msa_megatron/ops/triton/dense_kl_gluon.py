@@ -237,8 +237,8 @@ def pass_b(dz_buf: torch.Tensor, q_idx: torch.Tensor, ranges: tuple, dk_part: to
     in order) for the chunk's key columns ``u``.
 
     dz_buf ``[Hi, R, C]``: rows ``[r0, r0 + R)`` of each index head (``C`` a multiple of
-    ``bn``; the chunk's key tiles are read by no query tile before ``r0 / bm``), q_idx ``[Tq, Hi, Di]`` (unit last
-    stride), ranges ``(n_lo, n_hi, m_lo, m_hi)`` of :func:`key_tile_ranges`, dk_part
+    ``bn``; the chunk's key tiles are read by no query tile before ``r0 / bm``), q_idx
+    ``[Tq, Hi, Di]`` (unit last stride), ranges ``(n_lo, n_hi, m_lo, m_hi)`` of :func:`key_tile_ranges`, dk_part
     ``[Hi, >= ch_hi bn, Di]`` fp32. The launch options default to the module's ``PASS_B_*``
     constants (read at each call); ``programs`` changes the order of the sums, the others do
     not change the result."""
@@ -361,8 +361,8 @@ def pass_a_gluon(a: _Launch) -> None:
             desc(a.q, [a.bm, D]), desc(a.k, [a.bn, D]), desc(a.q_idx, [a.bm, Di]),
             desc(a.k_idx, [a.bn, Di]), desc(a.dz_buf.view(-1, a.dz_buf.shape[-1]), [a.bm, a.bn]),
             a.lse2, a.lse_z, a.q_pos, a.q_kbase, a.n_lo, a.n_hi, a.dq, a.kl_part, a.Tq,
-            a.dz_buf.shape[1], a.r0, a.ch_lo, a.ch_hi, a.scale2, a.iscale, HI=a.Hi, G=G, IPG=a.Hi // a.Hkv,
-            HPK=a.Hi // a.Hik, BM=a.bm, BN=a.bn, D=D, DI=Di, QS=qs, KS=ks,
+            a.dz_buf.shape[1], a.r0, a.ch_lo, a.ch_hi, a.scale2, a.iscale, HI=a.Hi, G=G,
+            IPG=a.Hi // a.Hkv, HPK=a.Hi // a.Hik, BM=a.bm, BN=a.bn, D=D, DI=Di, QS=qs, KS=ks,
             GRAD=a.grad, DZS=_DZ_SCALE, DZ_IN_P=dz_in_p,
             EPILOGUE_REGS=kern.EPILOGUE_REGS, PRODUCER_REGS=kern.PRODUCER_REGS,
             num_warps=kern.WARPS,
@@ -374,8 +374,8 @@ def pass_a_gluon(a: _Launch) -> None:
         desc(a.q, [a.bm, D]), desc(a.k, [a.bn, D]), desc(a.q_idx, [a.bm, Di]),
         desc(a.k_idx, [a.bn, Di]), desc(a.dz_buf.view(-1, a.dz_buf.shape[-1]), [a.bm, a.bn]),
         a.lse2, a.lse_z, a.q_pos, a.q_kbase, a.n_lo, a.n_hi, a.dq, a.kl_part, a.Tq,
-        a.dz_buf.shape[1], a.r0, a.ch_lo, a.ch_hi, a.scale2, a.iscale, HI=a.Hi, G=G, IPG=a.Hi // a.Hkv,
-        HPK=a.Hi // a.Hik, BM=a.bm, BN=a.bn, D=D, DI=Di, QS=kern.Q_STAGES, KS=kern.KV_STAGES,
+        a.dz_buf.shape[1], a.r0, a.ch_lo, a.ch_hi, a.scale2, a.iscale, HI=a.Hi, G=G,
+        IPG=a.Hi // a.Hkv, HPK=a.Hi // a.Hik, BM=a.bm, BN=a.bn, D=D, DI=Di, QS=kern.Q_STAGES, KS=kern.KV_STAGES,
         KI_AT=min(2, G - 1), GRAD=a.grad, DZS=_DZ_SCALE,
         PRODUCER_REGS=kern.PRODUCER_REGS, num_warps=kern.WARPS,
     )

@@ -1,7 +1,8 @@
 """Issue 12's 32K margin on one GPU: dense mode (non-deterministic backward) against cuDNN SDPA
 fwd+bwd timed in interleaved pairs, the KL alone at several ``dz`` budgets (key chunks), and
 whether each vendor route's LSE marks bad query rows (``dense.lse_guards_q``: the forward then
-skips summing ``q``).
+skips summing ``q``), and the pairs again with the forward's check before the vendor call
+(``dense.FORWARD_CHECK``).
 
 One H200 (from the repository root, ~2 minutes)::
 
@@ -33,6 +34,8 @@ def main() -> None:
     parser.add_argument("--dists", nargs="+", default=["iid", "coherent"])
     parser.add_argument("--budgets-gib", type=float, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--pairs", type=int, default=8)
+    parser.add_argument("--forward-checks", nargs="+", default=["auto", "before"],
+                        choices=["auto", "before"], help="dense.FORWARD_CHECK values to pair")
     args = parser.parse_args()
     from msa_megatron.ops import dense
     from msa_megatron.ops.triton import dense_kl_gluon as dkg
@@ -49,13 +52,19 @@ def main() -> None:
         x = make_inputs(cfg, args.tokens, None, dist, dev, dtype)
         fn = op_fn(cfg, "dense")
         whole = lambda: loss_and_grads(fn, x)  # noqa: E731
-        pair = paired_ms(sdpa_fn(x, "CUDNN_ATTENTION", True), whole, args.pairs)
-        res["cases"][f"dense_vs_cudnn_{dist}"] = pair
-        print(f"{dist}: dense mode {pair['other_ms']:.2f} ms, cuDNN {pair['base_ms']:.2f} ms, "
-              f"ratio {pair['ratio']:.4f} [{pair['ratio_min']:.4f}, {pair['ratio_max']:.4f}]",
-              flush=True)
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+        for where in args.forward_checks:
+            dense.FORWARD_CHECK = where
+            try:
+                pair = paired_ms(sdpa_fn(x, "CUDNN_ATTENTION", True), whole, args.pairs)
+            finally:
+                dense.FORWARD_CHECK = "auto"
+            name = f"dense_vs_cudnn_{dist}" + ("" if where == "auto" else f"_check_{where}")
+            res["cases"][name] = pair
+            print(f"{dist} (forward check {where}): dense mode {pair['other_ms']:.2f} ms, cuDNN "
+                  f"{pair['base_ms']:.2f} ms, ratio {pair['ratio']:.4f} "
+                  f"[{pair['ratio_min']:.4f}, {pair['ratio_max']:.4f}]", flush=True)
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1)
     x = make_inputs(cfg, args.tokens, None, "iid", dev, dtype)
     default = dkg.DZ_BUDGET_BYTES
     for gib in args.budgets_gib:

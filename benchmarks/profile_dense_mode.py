@@ -40,6 +40,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out")
     parser.add_argument("--tokens", type=int, default=32768)
+    parser.add_argument("--trace", default=None,
+                        help="folder: one call of each case as a Chrome trace (CPU and CUDA)")
     args = parser.parse_args()
     x = make_inputs(PAPER, args.tokens, None, "iid", "cuda", torch.bfloat16)
     fn = op_fn(PAPER, "dense")
@@ -52,6 +54,13 @@ def main() -> None:
     for name, call in cases.items():
         r = profile(call)
         result["cases"][name] = r
+        if args.trace:
+            os.makedirs(args.trace, exist_ok=True)
+            acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=acts) as prof:
+                call()
+                torch.cuda.synchronize()
+            prof.export_chrome_trace(os.path.join(args.trace, f"{name}.json"))
         print(f"{name}: wall {r['wall_ms']:.1f} ms, kernels {r['busy_ms']:.1f}, idle "
               f"{r['idle_ms']:.1f}", flush=True)
         for k, v in sorted(r["kernels"].items(), key=lambda kv: -kv[1]["ms_per_call"])[:14]:

@@ -39,7 +39,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .config import CP_KV_EXCHANGES, DEFAULT_CP_KV_EXCHANGE, MSAConfig, check_choice, check_scale
-from .layout import query_layout, real_token_rows
+from .layout import query_layout, real_token_rows, shared_query_layout
 from .ops.backends import get_backend, resolve_backend
 from .ops.validation import (
     check_backend_limits,
@@ -237,7 +237,7 @@ def msa_layer(
         q_pos, q_kbase = layout.q_pos, layout.q_kbase
     else:
         check_cu_seqlens(cu_seqlens, T, q.device)
-        q_pos, q_kbase = query_layout(cu_seqlens, T, q.device)
+        q_pos, q_kbase = shared_query_layout(cu_seqlens, T, q.device)
     kl_rows = None
     if cu_seqlens_real is not None:
         padded = cu_seqlens if cu_seqlens is not None else torch.tensor(

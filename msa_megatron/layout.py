@@ -17,6 +17,7 @@ composer (:mod:`msa_megatron.core`) and the parallel layouts; it imports nothing
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Optional, Tuple
 
 import torch
@@ -44,6 +45,59 @@ def query_layout(
     seq = torch.searchsorted(starts, t, right=True) - 1
     base = starts[seq]
     return (t - base).to(torch.int32), base.to(torch.int32)
+
+
+_SHARED_ATTR = "_msa_query_layout"  # shared_query_layout's memo on a cu_seqlens tensor
+_SHARED_SINGLE: "OrderedDict[tuple, tuple]" = OrderedDict()  # (T, device) -> memo, cu None
+_SHARED_SINGLE_MAX = 8
+
+
+def shared_query_layout(
+    cu_seqlens: Optional[torch.Tensor], total: int, device: torch.device
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`query_layout`, the same tensor objects again for the same layout: remembered on
+    the ``cu_seqlens`` tensor (an attribute, living as long as it; a hit needs it unmodified
+    since, by ``_version``, and the same ``total`` and device), or for ``cu_seqlens=None`` per
+    ``(total, device)`` (the last 8). Every layer of a micro-batch, and every step of one
+    shape, then hands the backends the same ``q_pos`` / ``q_kbase``, so what a backend derives
+    from them on the host (the dense routes' sequence lengths, ``ops.dense.sequences_of``) is
+    read once. The results must not be modified in place (a modified one is rebuilt: the
+    memo keeps their versions). Not remembered under ``torch.compile`` tracing, in inference
+    mode (inference tensors cannot be saved for a later backward) or on the meta device.
+
+    Args and result as :func:`query_layout`.
+    """
+    if (torch.compiler.is_compiling() or torch.is_inference_mode_enabled()
+            or torch.device(device).type == "meta"
+            or (cu_seqlens is not None and cu_seqlens.is_inference())):
+        return query_layout(cu_seqlens, total, device)
+    key = (total, str(device))
+    if cu_seqlens is None:
+        memo = _SHARED_SINGLE.get(key)
+    else:
+        memo = getattr(cu_seqlens, _SHARED_ATTR, None)
+    if memo is not None:
+        memo_key, cu_version, q_pos, q_kbase, pos_version, kbase_version = memo
+        if (memo_key == key and q_pos._version == pos_version
+                and q_kbase._version == kbase_version
+                and (cu_seqlens is None or cu_seqlens._version == cu_version)):
+            if cu_seqlens is None:
+                _SHARED_SINGLE.move_to_end(key)
+            return q_pos, q_kbase
+    q_pos, q_kbase = query_layout(cu_seqlens, total, device)
+    memo = (key, None if cu_seqlens is None else cu_seqlens._version, q_pos, q_kbase,
+            q_pos._version, q_kbase._version)
+    if cu_seqlens is None:
+        _SHARED_SINGLE[key] = memo
+        _SHARED_SINGLE.move_to_end(key)
+        while len(_SHARED_SINGLE) > _SHARED_SINGLE_MAX:
+            _SHARED_SINGLE.popitem(last=False)
+    else:
+        try:
+            setattr(cu_seqlens, _SHARED_ATTR, memo)
+        except (AttributeError, TypeError, RuntimeError):  # a tensor type without attributes
+            pass
+    return q_pos, q_kbase
 
 
 def real_token_rows(cu_seqlens_padded: torch.Tensor, cu_seqlens_real: Optional[torch.Tensor],

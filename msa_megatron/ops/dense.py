@@ -39,16 +39,24 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from contextlib import contextmanager
 from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
+
+from .host_reads import FiniteCheck
 
 BACKEND_ENV = "MSA_DENSE_BACKEND"  # auto (default) | cudnn | flash | kernels
 DETERMINISTIC_ENV = "MSA_DENSE_DETERMINISTIC"  # 1 (default) | 0
 _CHOICES = ("auto", "cudnn", "flash", "kernels")
 _DTYPES = (torch.float16, torch.bfloat16)
 _PROBE_TOL = {torch.float16: 2e-2, torch.bfloat16: 5e-2}  # relative (norm) error vs fp32
+# Where the vendor forward's finiteness check sits (dense_forward): "auto" (after the forward,
+# on its LSE, for a route whose LSE marks bad query rows; before it otherwise) or "before"
+# (q, k, v summed before it, always). A benchmark setting; both give the same results.
+FORWARD_CHECK = "before"
+_SEQS_ATTR = "_msa_dense_sequences"  # sequences_of's memo on q_pos
 
 
 class Sequences(NamedTuple):
@@ -266,6 +274,28 @@ def standard_sequences(q_pos: torch.Tensor, q_kbase: torch.Tensor, total_k: int
     return Sequences(bounds.to(torch.int32).contiguous(), max_len, min_len)
 
 
+def sequences_of(q_pos: torch.Tensor, q_kbase: torch.Tensor, total_k: int
+                 ) -> Optional[Sequences]:
+    """:func:`standard_sequences`, remembered on the ``q_pos`` tensor object (an attribute, so
+    it lives as long as the tensor): the backward, which gets the forward's ``q_pos`` and
+    ``q_kbase`` back, and later layers given the same tensors read the layout without a host
+    sync. A hit needs the same ``q_kbase`` object, both tensors unmodified since
+    (``_version``) and the same ``total_k``; anything else reads the layout again."""
+    memo = getattr(q_pos, _SEQS_ATTR, None)
+    if memo is not None:
+        version, kbase_ref, kbase_version, memo_total, seqs = memo
+        if (version == q_pos._version and kbase_ref() is q_kbase
+                and kbase_version == q_kbase._version and memo_total == total_k):
+            return seqs
+    seqs = standard_sequences(q_pos, q_kbase, total_k)
+    try:
+        setattr(q_pos, _SEQS_ATTR, (q_pos._version, weakref.ref(q_kbase), q_kbase._version,
+                                    total_k, seqs))
+    except (AttributeError, TypeError, RuntimeError):  # a tensor subclass without attributes
+        pass
+    return seqs
+
+
 def _supported(q: torch.Tensor, k: torch.Tensor) -> bool:
     D = q.shape[-1]
     return (q.is_cuda and q.dtype in _DTYPES and D % 8 == 0 and D <= 256
@@ -447,18 +477,6 @@ def _refuse(route: Route, q, k, err: Exception) -> None:
                   RuntimeWarning, stacklevel=3)
 
 
-def _all_finite(*tensors: torch.Tensor) -> bool:
-    """Whether every entry is finite: one fp32 sum per tensor (no copy) and one host sync.
-
-    A vendor kernel multiplies a masked-out probability (0) by a NaN/Inf value or key row
-    within its tiles, which reaches rows whose support does not hold it (MSA_SPEC section 7);
-    non-finite inputs therefore go to our kernels. A finite input whose sum overflows fp32 only
-    sends the call to our kernels too (still correct).
-    """
-    sums = torch.stack([t.sum(dtype=torch.float32) for t in tensors])
-    return bool(torch.isfinite(sums.sum()))
-
-
 def lse_guards_q(route: Route, q: torch.Tensor, k: torch.Tensor) -> bool:
     """:func:`_lse_guards_q` for inputs like ``q``/``k``, run once per (route, device, dtype,
     head dim, GQA or not) and remembered."""
@@ -472,62 +490,68 @@ def lse_guards_q(route: Route, q: torch.Tensor, k: torch.Tensor) -> bool:
 def dense_forward(q, k, v, q_pos, q_kbase, softmax_scale: float):
     """``(out [T, Hq, D], lse [T, Hq] fp32)`` from a vendor route, or None when none applies
     (caller runs its own kernels). Inputs as in the backend contract (``block_idx=None``);
-    inputs holding NaN/Inf never get a vendor route's result (:func:`_all_finite`).
+    inputs holding NaN/Inf never get a vendor route's result.
 
-    Where the route's LSE marks every query row holding NaN/Inf (:func:`lse_guards_q`, checked
-    once per route and input kind), ``q`` is not summed (0.5 GB at the paper's 32K): the vendor
-    forward runs and its LSE, ``k`` and ``v`` are checked afterwards (one host sync, the GPU
-    busy meanwhile); a non-finite one drops the vendor result for our kernels. Otherwise
-    ``q``, ``k`` and ``v`` are checked first."""
+    The finiteness check (:class:`~msa_megatron.ops.host_reads.FiniteCheck`) never drains the
+    GPU's queue. With :data:`FORWARD_CHECK` ``"auto"`` and a route whose LSE marks every query
+    row holding NaN/Inf (:func:`lse_guards_q`, checked once per route and input kind), ``q`` is
+    not summed (0.5 GB at the paper's 32K): the vendor forward runs and its LSE, ``k`` and ``v``
+    are checked afterwards (the host waits for the forward). Otherwise (``"before"``) ``q``,
+    ``k`` and ``v`` are summed before the vendor forward is queued and read after it, so the
+    host runs ahead of the GPU by the whole forward. A non-finite result drops the vendor's
+    output (fresh tensors) for our kernels. The layout read on the host is remembered on
+    ``q_pos`` for the backward (:func:`sequences_of`)."""
     if forward_route(q, k) is None:  # nothing to use whatever the layout: no host sync
         return None
-    seqs = standard_sequences(q_pos, q_kbase, k.shape[0])
+    seqs = sequences_of(q_pos, q_kbase, k.shape[0])
     if seqs is None:
         return None
-    checked = False
+    before = None
     while True:
         route = forward_route(q, k, seqs)
         if route is None:
             return None
-        after = lse_guards_q(route, q, k)
-        if not after and not checked:
-            if not _all_finite(q, k, v):
-                return None
-            checked = True
+        after = FORWARD_CHECK == "auto" and lse_guards_q(route, q, k)
+        if not after and before is None:
+            before = FiniteCheck(q, k, v)
         try:
             out, lse = route.forward(q.contiguous(), k.contiguous(), v.contiguous(), seqs,
                                      float(softmax_scale))
         except RuntimeError as err:
             _refuse(route, q, k, err)
             continue
-        if after and not checked and not _all_finite(lse, k, v):
-            return None
-        return out, lse
+        check = before if before is not None else FiniteCheck(lse, k, v)
+        return (out, lse) if check.ok() else None
 
 
 def dense_backward(dout, q, k, v, out, lse, q_pos, q_kbase, softmax_scale: float):
     """``(dq, dk, dv)`` from a vendor route, or None (caller runs its own kernels, which take
-    any route's ``out`` and ``lse``); NaN/Inf in q, k, v or dout never take a vendor route (q
-    through ``lse``, the forward's of the same q: see the body)."""
+    any route's ``out`` and ``lse``); NaN/Inf in q, k, v or dout never take a vendor route's
+    result (q through ``lse``, the forward's of the same q: see the body). No host read drains
+    the GPU's queue: the layout comes from the forward (:func:`sequences_of`), and the
+    finiteness check is queued before the vendor backward and read after it is queued."""
     if backward_route(q, k)[0] is None:  # nothing to use whatever the layout: no host sync
         return None
-    seqs = standard_sequences(q_pos, q_kbase, k.shape[0])
+    seqs = sequences_of(q_pos, q_kbase, k.shape[0])
+    if seqs is None:
+        return None
     # q not summed again (0.5 GB at 32K): lse is the forward's of this q, and a NaN/Inf in
     # query row p makes every score of the row NaN or +-Inf (all -Inf: lse -Inf), so lse[p] is
     # non-finite. k is summed: an Inf key can give -Inf scores only, leaving lse finite, and a
     # vendor kernel would spread it (0 * Inf) to earlier rows of its tiles.
-    if seqs is None or not _all_finite(lse, k, v, dout):
-        return None
+    check = FiniteCheck(lse, k, v, dout)
     while True:
         route, deterministic = backward_route(q, k, seqs)
         if route is None:
             return None
         try:
-            return route.backward(dout, q.contiguous(), k.contiguous(), v.contiguous(),
-                                  out.contiguous(), lse, seqs, float(softmax_scale),
-                                  deterministic)
+            grads = route.backward(dout, q.contiguous(), k.contiguous(), v.contiguous(),
+                                   out.contiguous(), lse, seqs, float(softmax_scale),
+                                   deterministic)
         except RuntimeError as err:
             _refuse(route, q, k, err)
+            continue
+        return grads if check.ok() else None
 
 
 def route_report(q: torch.Tensor, k: torch.Tensor) -> dict:
@@ -540,8 +564,9 @@ def route_report(q: torch.Tensor, k: torch.Tensor) -> dict:
                for k_, why in _PROBED.items() if why is not None}
     return {"forward": fwd.name if fwd else "kernels", "backward": bwd.name if bwd else "kernels",
             "deterministic": deterministic, "setting": backend_setting(), "refused": refused,
-            "forward_reads_q_through_lse": bool(fwd is not None and lse_guards_q(fwd, q, k))}
+            "forward_reads_q_through_lse": bool(fwd is not None and FORWARD_CHECK == "auto"
+                                                and lse_guards_q(fwd, q, k))}
 
 
 __all__ = ["ROUTES", "Route", "Sequences", "backward_route", "dense_backward", "dense_forward",
-           "forward_route", "lse_guards_q", "route_report", "standard_sequences"]
+           "forward_route", "lse_guards_q", "route_report", "sequences_of", "standard_sequences"]

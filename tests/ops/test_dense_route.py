@@ -189,6 +189,67 @@ def test_standard_sequences_of_packed_layouts():
     assert seqs.cu_seqlens.dtype == torch.int32
 
 
+def test_sequences_are_read_once_per_layout_tensor(monkeypatch, seed):
+    """dense.sequences_of reads the layout on the host once per q_pos tensor: the backward and
+    later calls with the same tensors reuse it; a new q_kbase object, an in-place change of
+    either tensor, or another key count read it again (and get the new layout)."""
+    from msa_megatron.layout import query_layout
+
+    reads = []
+    real = dense.standard_sequences
+    monkeypatch.setattr(dense, "standard_sequences",
+                        lambda *a: reads.append(1) or real(*a))
+    cu = torch.tensor([0, 23, 23, 64], dtype=torch.int32)
+    q_pos, q_kbase = query_layout(cu, 64, torch.device("cpu"))
+    first = dense.sequences_of(q_pos, q_kbase, 64)
+    assert first.cu_seqlens.tolist() == [0, 23, 64] and (first.max_len, first.min_len) == (41, 23)
+    assert dense.sequences_of(q_pos, q_kbase, 64) is first and len(reads) == 1
+    fresh = dense.sequences_of(q_pos, q_kbase.clone(), 64)
+    assert fresh is not first and fresh.cu_seqlens.tolist() == [0, 23, 64] and len(reads) == 2
+    assert dense.sequences_of(q_pos, q_kbase, 63) is None and len(reads) == 3  # not standard
+    other_pos, other_kbase = query_layout(torch.tensor([0, 30, 64], dtype=torch.int32), 64,
+                                          torch.device("cpu"))
+    q_pos.copy_(other_pos)  # in place: the version moves
+    q_kbase.copy_(other_kbase)
+    again = dense.sequences_of(q_pos, q_kbase, 64)
+    assert again.cu_seqlens.tolist() == [0, 30, 64] and len(reads) == 4
+    assert dense.sequences_of(q_pos, q_kbase, 64) is again and len(reads) == 4
+
+
+def test_dense_mode_reads_the_layout_once_per_call(fake_routes, monkeypatch, seed):
+    """Forward and backward through the routes read the layout on the host once (the
+    forward's; the backward gets the same tensors back), and a second call with the same
+    cu_seqlens tensor reads nothing."""
+    reads = []
+    real = dense.standard_sequences
+    monkeypatch.setattr(dense, "standard_sequences",
+                        lambda *a: reads.append(1) or real(*a))
+    rec = fake_routes()
+    x = _inputs(seed)
+    _run(x)
+    assert [c[1] for c in rec.calls][-2:] == ["fwd", "bwd"]
+    assert len(reads) == 1
+    _run(x)  # the same cu_seqlens tensor: the same layout tensors (layout.shared_query_layout)
+    assert [c[1] for c in rec.calls][-2:] == ["fwd", "bwd"]
+    assert len(reads) == 1
+
+
+def test_finite_check_reads_sums_of_every_tensor():
+    """host_reads.FiniteCheck: True for finite tensors (empty ones skipped, none at all
+    included), False for a NaN, an Inf, or a finite tensor whose fp32 sum overflows."""
+    from msa_megatron.ops.host_reads import FiniteCheck, to_host
+
+    a, b = torch.randn(5, 3), torch.randn(4, dtype=torch.float16)
+    assert FiniteCheck(a, b).ok() and FiniteCheck().ok() and FiniteCheck(a[:0]).ok()
+    for value in (float("nan"), float("inf"), float("-inf")):
+        bad = b.clone()
+        bad[2] = value
+        assert not FiniteCheck(a, bad).ok()
+    assert not FiniteCheck(torch.full((4,), 3e38)).ok()  # overflows: the slow exact path
+    host, event = to_host(a)
+    assert host is a and event is None
+
+
 def test_settings_are_validated(monkeypatch):
     monkeypatch.setenv(dense.BACKEND_ENV, "fastest")
     with pytest.raises(ValueError, match=dense.BACKEND_ENV):
@@ -234,7 +295,8 @@ def test_a_route_failing_on_a_real_problem_falls_back(fake_routes, monkeypatch, 
 @pytest.mark.parametrize("tensor", ["q", "k", "v"])
 def test_non_finite_inputs_keep_our_kernels(fake_routes, monkeypatch, seed, tensor):
     """MSA_SPEC section 7: a vendor kernel spreads a NaN key/value row to the earlier rows of
-    its tile (0 * NaN), so inputs holding NaN take our kernels, forward and backward."""
+    its tile (0 * NaN), so inputs holding NaN get our kernels' results, forward and
+    backward."""
     x = _inputs(seed)
     with torch.no_grad():
         x[tensor][30, 1, 2] = float("nan")  # second sequence (23 + 0 + 41 tokens)
@@ -246,7 +308,8 @@ def test_non_finite_inputs_keep_our_kernels(fake_routes, monkeypatch, seed, tens
         assert dense._probe(dense.ROUTES[name], x["q"], x["k"]) is None
     rec.calls.clear()
     routed = _run(x)
-    assert rec.calls == []
+    # both vendor calls are queued before their check is read, and their results dropped
+    assert [c[1] for c in rec.calls] == ["fwd", "bwd"]
     for name, a, b in zip(("out", "kl") + NAMES, routed, ours):
         assert torch.equal(a.isnan(), b.isnan()), name
         assert name == "kl" or torch.isfinite(a[:23]).all(), name  # first sequence
@@ -287,20 +350,35 @@ def test_forward_checks_lse_after_a_guarded_route(fake_routes, monkeypatch, seed
     for name in ("cudnn", "flash"):
         assert dense._probe(dense.ROUTES[name], x["q"], x["k"]) is None
         assert dense.lse_guards_q(dense.ROUTES[name], x["q"], x["k"])
-    rec.calls.clear()
-    sums = []
-    real_all_finite = dense._all_finite
-    monkeypatch.setattr(dense, "_all_finite",
-                        lambda *ts: sums.append([t.shape for t in ts]) or real_all_finite(*ts))
-    routed = _run(x)
     T, Hq = x["q"].shape[:2]
-    assert sums[0][0] == (T, Hq)  # the forward's first check is lse's, not q's
-    assert rec.calls[0] == ("cudnn", "fwd")
-    if tensor != "none":
-        assert rec.calls == [("cudnn", "fwd")]  # the result dropped, no vendor backward
-    for name, a, b in zip(("out", "kl") + NAMES, routed, ours):
-        assert torch.equal(a.isnan(), b.isnan()), name
-        assert_close(a.nan_to_num(), b.nan_to_num(), 1e-4, name)
+    for where in ("auto", "before"):
+        monkeypatch.setattr(dense, "FORWARD_CHECK", where)
+        rec.calls.clear()
+        checks = _record_checks(monkeypatch)
+        routed = _run(x)
+        # the forward's check: lse's after the call ("auto"), q's before it ("before")
+        assert checks[0][0] == ((T, Hq) if where == "auto" else tuple(x["q"].shape))
+        assert rec.calls[0] == ("cudnn", "fwd")
+        if tensor != "none":
+            # both results dropped (the backward's check is read after its call is queued)
+            assert [c[1] for c in rec.calls] == ["fwd", "bwd"]
+        for name, a, b in zip(("out", "kl") + NAMES, routed, ours):
+            assert torch.equal(a.isnan(), b.isnan()), (where, name)
+            assert_close(a.nan_to_num(), b.nan_to_num(), 1e-4, f"{where} {name}")
+
+
+def _record_checks(monkeypatch) -> list:
+    """Replace dense.FiniteCheck by one that records the shapes it checks (a list, filled as
+    checks are made)."""
+    seen = []
+    real = dense.FiniteCheck
+
+    def check(*tensors):
+        seen.append([tuple(t.shape) for t in tensors])
+        return real(*tensors)
+
+    monkeypatch.setattr(dense, "FiniteCheck", check)
+    return seen
 
 
 @pytest.mark.parametrize("tensor,value", [("lse", float("nan")), ("k", float("nan")),
@@ -309,7 +387,8 @@ def test_forward_checks_lse_after_a_guarded_route(fake_routes, monkeypatch, seed
 def test_backward_route_checks_lse_k_v_and_dout(fake_routes, seed, tensor, value):
     """The backward's finiteness check reads lse (which covers q: a NaN/Inf in a query row
     makes its lse non-finite), k (an Inf key can leave every lse finite), v and dout: a
-    non-finite value in any of them keeps our kernels (None), finite ones take a route."""
+    non-finite value in any of them keeps our kernels (None: the vendor result, already
+    queued, is dropped), finite ones take a route."""
     from msa_megatron.layout import query_layout
 
     x = _inputs(seed)
@@ -325,7 +404,8 @@ def test_backward_route_checks_lse_k_v_and_dout(fake_routes, seed, tensor, value
     t[tensor].view(-1)[7] = value
     assert dense.dense_backward(t["dout"], q, t["k"], t["v"], out, t["lse"], q_pos, q_kbase,
                                 0.25) is None
-    assert rec.calls == []
+    # the check is read after the vendor backward is queued; its result is dropped
+    assert [call[1] for call in rec.calls] == ["bwd"]
 
 
 # Query entries that no key can turn finite (feature: (value, the sign every key's entry gets;
@@ -454,7 +534,8 @@ def test_a_query_row_no_key_makes_finite_keeps_our_kernels(fake_routes, monkeypa
     monkeypatch.setattr(dkg, "gluon_kl_supported", lambda *args: (True, ""))
     monkeypatch.setattr(dkg, "pass_a_gluon", dkg.pass_a_torch)
     routed = _run(x)
-    assert rec.calls == []
+    # the vendor calls are queued before their checks are read, and their results dropped
+    assert [c[1] for c in rec.calls] == ["fwd", "bwd"]
     for name, a, b in zip(("out", "kl") + NAMES, routed, ours):
         assert torch.equal(a.isnan(), b.isnan()), name
         assert_close(a.nan_to_num(), b.nan_to_num(), 1e-4, name)

@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..host_reads import FiniteCheck, to_host
 from ._common import dot_flags, interpreting, launch_options, mma
-from ._isolation import nonfinite_flag
 from .dense_kl import _DZ_SCALE, _LOG2E, dense_kl_loss, student_lse, tile_key_bounds
 from .dense_lse_z import student_lse_finite
 
@@ -170,18 +170,6 @@ def chunk_plan(m_lo: list, Hi: int, Tq_pad: int, n_k: int, itemsize: int, budget
         plan.append((n, n + width, r0))
         n += width
     return plan
-
-
-def _to_host(t: torch.Tensor) -> tuple:
-    """``(host copy, event)``: a pinned asynchronous copy of a CUDA tensor and the event to wait
-    on before reading it (a CPU tensor: itself and None)."""
-    if t.device.type != "cuda":
-        return t, None
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(t.device))
-    return host, event
 
 
 @triton.jit(do_not_specialize=("Tq", "Tq_pad", "r0", "C", "ch_lo"))
@@ -410,7 +398,7 @@ def dense_kl_chunked(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: flo
     n_m, n_k = triton.cdiv(Tq, bm), triton.cdiv(Tk, bn)
     Tq_pad = n_m * bm
     if compute_grad:  # the chunk plan reads m_lo on the host, copied while lse_z runs
-        m_lo_host, copied = _to_host(ranges[2])
+        m_lo_host, copied = to_host(ranges[2])
     if LSE_Z_KERNEL == "finite":  # the callers hand finite inputs only
         lse_z = student_lse_finite(q_idx, k_idx, q_pos, q_kbase, index_scale)
     elif LSE_Z_KERNEL == "general":
@@ -469,11 +457,14 @@ def dense_kl_loss_gluon(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: 
     :func:`gluon_kl_supported` says no. Inputs holding NaN/Inf get the result of
     :func:`.dense_kl.dense_kl_loss`, which implements MSA_SPEC 7: the finiteness flag (one fp32
     sum per tensor of ``lse``, ``k``, ``q_idx``, ``k_idx``, on the device; ``lse`` must be the
-    attention's of these ``q``, ``k``: its finiteness covers ``q``'s) is read (one host sync)
-    only after the Gluon passes are queued, so the GPU stays busy while the host waits; when
-    it is set, the Gluon result (which
-    only wrote fresh buffers) is dropped and the Triton pass runs. (Reading it first cost ~2.5
-    ms at 32K: the GPU idled while the host launched the passes.)"""
+    attention's of these ``q``, ``k``: its finiteness covers ``q``'s) is copied to the host as
+    soon as it is computed and read only after the Gluon passes are queued
+    (:class:`~msa_megatron.ops.host_reads.FiniteCheck`): the host waits for the sums, not for
+    the passes, and goes on queuing the backward while they run. When it is set, the Gluon
+    result (which only wrote fresh buffers) is dropped and the Triton pass runs. (Reading it
+    before queuing the passes cost ~2.5 ms at 32K: the GPU idled while the host launched them;
+    reading it with a stream sync after them left the GPU idle from the last pass until the
+    backward's first launch.)"""
     ok, why = gluon_kl_supported(q, k, q_idx, k_idx)
     if not ok:
         raise ValueError(f"dense_kl_loss_gluon: unsupported inputs: {why}")
@@ -485,8 +476,8 @@ def dense_kl_loss_gluon(q, k, lse, q_idx, k_idx, q_pos, q_kbase, softmax_scale: 
     # q is not summed (0.5 GB at 32K, ~0.17 ms): lse is its attention's (the contract), and a
     # NaN/Inf in query row p makes every score of the row NaN or +-Inf (all -Inf: lse -Inf), so
     # lse[p] is non-finite. k is: an Inf key can give -Inf scores only, leaving lse finite.
-    flag = nonfinite_flag(lse, k, q_idx, k_idx)
+    check = FiniteCheck(lse, k, q_idx, k_idx)
     result = dense_kl_chunked(*args, pass_a=pass_a_gluon)
-    if bool(flag):
+    if not check.ok():  # waits for the sums only: the passes keep the GPU busy
         return dense_kl_loss(*args)
     return result

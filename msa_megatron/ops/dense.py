@@ -52,9 +52,11 @@ DETERMINISTIC_ENV = "MSA_DENSE_DETERMINISTIC"  # 1 (default) | 0
 _CHOICES = ("auto", "cudnn", "flash", "kernels")
 _DTYPES = (torch.float16, torch.bfloat16)
 _PROBE_TOL = {torch.float16: 2e-2, torch.bfloat16: 5e-2}  # relative (norm) error vs fp32
-# Where the vendor forward's finiteness check sits (dense_forward): "auto" (after the forward,
-# on its LSE, for a route whose LSE marks bad query rows; before it otherwise) or "before"
-# (q, k, v summed before it, always). A benchmark setting; both give the same results.
+# Where the vendor forward's finiteness check sits (dense_forward): "before" (q, k, v summed
+# before it, always; the host runs ahead by the whole forward) or "auto" (after the forward, on
+# its LSE, for a route whose LSE marks bad query rows: no 0.5 GB sum of q at 32K, but the host
+# waits for the forward; before it otherwise). Both give the same results; docs/DENSE_MODE.md
+# has what each cost on an H100.
 FORWARD_CHECK = "before"
 _SEQS_ATTR = "_msa_dense_sequences"  # sequences_of's memo on q_pos
 
@@ -496,9 +498,9 @@ def dense_forward(q, k, v, q_pos, q_kbase, softmax_scale: float):
     GPU's queue. With :data:`FORWARD_CHECK` ``"auto"`` and a route whose LSE marks every query
     row holding NaN/Inf (:func:`lse_guards_q`, checked once per route and input kind), ``q`` is
     not summed (0.5 GB at the paper's 32K): the vendor forward runs and its LSE, ``k`` and ``v``
-    are checked afterwards (the host waits for the forward). Otherwise (``"before"``) ``q``,
-    ``k`` and ``v`` are summed before the vendor forward is queued and read after it, so the
-    host runs ahead of the GPU by the whole forward. A non-finite result drops the vendor's
+    are checked afterwards (the host waits for the forward). Otherwise (``"before"``, the
+    default) ``q``, ``k`` and ``v`` are summed before the vendor forward is queued and read
+    after it, so the host runs ahead of the GPU by the whole forward. A non-finite result drops the vendor's
     output (fresh tensors) for our kernels. The layout read on the host is remembered on
     ``q_pos`` for the backward (:func:`sequences_of`)."""
     if forward_route(q, k) is None:  # nothing to use whatever the layout: no host sync

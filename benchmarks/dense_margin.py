@@ -53,11 +53,11 @@ def main() -> None:
         fn = op_fn(cfg, "dense")
         whole = lambda: loss_and_grads(fn, x)  # noqa: E731
         for where in args.forward_checks:
-            dense.FORWARD_CHECK = where
+            default_check, dense.FORWARD_CHECK = dense.FORWARD_CHECK, where
             try:
                 pair = paired_ms(sdpa_fn(x, "CUDNN_ATTENTION", True), whole, args.pairs)
             finally:
-                dense.FORWARD_CHECK = "auto"
+                dense.FORWARD_CHECK = default_check
             name = f"dense_vs_cudnn_{dist}" + ("" if where == "auto" else f"_check_{where}")
             res["cases"][name] = pair
             print(f"{dist} (forward check {where}): dense mode {pair['other_ms']:.2f} ms, cuDNN "

@@ -500,9 +500,9 @@ def dense_forward(q, k, v, q_pos, q_kbase, softmax_scale: float):
     not summed (0.5 GB at the paper's 32K): the vendor forward runs and its LSE, ``k`` and ``v``
     are checked afterwards (the host waits for the forward). Otherwise (``"before"``, the
     default) ``q``, ``k`` and ``v`` are summed before the vendor forward is queued and read
-    after it, so the host runs ahead of the GPU by the whole forward. A non-finite result drops the vendor's
-    output (fresh tensors) for our kernels. The layout read on the host is remembered on
-    ``q_pos`` for the backward (:func:`sequences_of`)."""
+    after it, so the host runs ahead of the GPU by the whole forward. A non-finite result
+    drops the vendor's output (fresh tensors) for our kernels. The layout read on the host is
+    remembered on ``q_pos`` for the backward (:func:`sequences_of`)."""
     if forward_route(q, k) is None:  # nothing to use whatever the layout: no host sync
         return None
     seqs = sequences_of(q_pos, q_kbase, k.shape[0])

@@ -27,6 +27,16 @@ def to_host(t: torch.Tensor) -> Tuple[torch.Tensor, Optional["torch.cuda.Event"]
     return host, event
 
 
+def sum_of_sums(*tensors: torch.Tensor) -> torch.Tensor:
+    """0-d fp32 on the tensors' device: the sum of one fp32 sum per tensor (no temporary of a
+    tensor's size; empty tensors add 0). Finite exactly when every entry is finite, except
+    that a finite total may overflow fp32 (reads as not finite). No host sync."""
+    sums = [t.sum(dtype=torch.float32) for t in tensors if t.numel()]
+    if not sums:
+        return torch.zeros((), dtype=torch.float32, device=tensors[0].device if tensors else None)
+    return torch.stack(sums).sum()
+
+
 class FiniteCheck:
     """Whether every entry of some tensors is finite, computed on the device when created (one
     fp32 sum per tensor, no temporary of a tensor's size) and read by :meth:`ok` later, after the
@@ -39,12 +49,10 @@ class FiniteCheck:
     """
 
     def __init__(self, *tensors: torch.Tensor):
-        present = [t for t in tensors if t.numel()]
-        if not present:
+        if not any(t.numel() for t in tensors):
             self._host, self._event = torch.ones((), dtype=torch.bool), None
             return
-        total = torch.stack([t.sum(dtype=torch.float32) for t in present]).sum()
-        self._host, self._event = to_host(torch.isfinite(total))
+        self._host, self._event = to_host(torch.isfinite(sum_of_sums(*tensors)))
 
     def ok(self) -> bool:
         """True when every entry was finite; waits for the device's answer only."""
@@ -53,4 +61,4 @@ class FiniteCheck:
         return bool(self._host)
 
 
-__all__ = ["FiniteCheck", "to_host"]
+__all__ = ["FiniteCheck", "sum_of_sums", "to_host"]

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..host_reads import sum_of_sums
 from ._common import mma
 
 
@@ -76,9 +77,7 @@ def nonfinite_flag(*tensors: torch.Tensor) -> torch.Tensor:
     One fp32 sum per tensor (no temporary of the tensor's size); a finite tensor whose sum
     overflows also sets the flag, which only selects the slower, equally exact variant.
     """
-    total = torch.stack([t.sum(dtype=torch.float32) for t in tensors if t.numel()]
-                        or [torch.zeros((), device=tensors[0].device)]).sum()
-    return (~torch.isfinite(total)).to(torch.int32).reshape(1)
+    return (~torch.isfinite(sum_of_sums(*tensors))).to(torch.int32).reshape(1)
 
 
 def launch_both(kernel, grid, *args, **kwargs) -> None:

@@ -115,18 +115,33 @@ def time_ms(fn, iters: int = 5) -> dict:
     return dict(median=statistics.median(times), min=min(times), n=len(times))
 
 
-def paired_ms(base, other, pairs: int = 8) -> dict:
+L2_FLUSH_BYTES = 256 << 20  # triton.testing.do_bench's cache buffer (zeroed before each call)
+
+
+def paired_ms(base, other, pairs: int = 8, queued: bool = False) -> dict:
     """``base`` and ``other`` timed in ``pairs`` interleaved pairs (the order alternates; one
     warm-up call each): medians (ms) and the median, min and max of the per-pair ratios
     ``other / base`` (clock or thermal drift between the two cancels within a pair). CUDA
-    only."""
-    def event_ms(fn) -> float:
+    only.
+
+    ``queued=False``: the host waits for the GPU after every call, so each call's time includes
+    the host's latency to its first kernel (stricter than training, where the host runs ahead).
+    ``queued=True``: BENCHMARK.md's method, ``triton.testing.do_bench``'s loop: a
+    :data:`L2_FLUSH_BYTES` buffer zeroed before each call outside its events, no wait between
+    calls, one synchronisation at the end; a call's time is then the GPU's, plus any idle the
+    call itself causes (a host read inside it)."""
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda") if queued else None
+
+    def event_ms(fn):
+        if flush is not None:
+            flush.zero_()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
         b.record()
-        torch.cuda.synchronize()
-        return a.elapsed_time(b)
+        if flush is None:
+            torch.cuda.synchronize()
+        return a, b
 
     base()
     other()
@@ -136,10 +151,13 @@ def paired_ms(base, other, pairs: int = 8) -> dict:
         order = ((base, tb), (other, to)) if i % 2 == 0 else ((other, to), (base, tb))
         for fn, store in order:
             store.append(event_ms(fn))
+    sync()
+    tb = [a.elapsed_time(b) for a, b in tb]
+    to = [a.elapsed_time(b) for a, b in to]
     ratios = [o / b for b, o in zip(tb, to)]
     return dict(base_ms=statistics.median(tb), other_ms=statistics.median(to),
                 ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
-                pairs=pairs)
+                pairs=pairs, queued=queued)
 
 
 def rel(a, b) -> float:
@@ -682,22 +700,27 @@ def dense_rows(run: Run, cfg, device, dtype, sizes, dists, baselines, essential=
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
             # the 1.25x target's ratio, dense mode (non-deterministic) and cuDNN in
-            # interleaved pairs: drift between two separately timed rows cancels
+            # interleaved pairs: drift between two separately timed rows cancels. "_queued" is
+            # BENCHMARK.md's do_bench loop (no wait between calls); the other waits after each
+            # call (each call's host latency to its first kernel counted)
             pairs = 4 if big else 8
             est = pairs * 1.05 * 2 * ROW_SECONDS_128K["dense_mode_fwd_bwd_nondeterministic"] \
                 * (t / 131072) ** 2
-            name = "dense_mode_nondeterministic_vs_cudnn_paired"
-            if torch.cuda.is_available() and run.left() < est + 5:
-                run.row(dict(name=name, T=t, dist=dist, skipped="budget"))
-            elif torch.cuda.is_available():
-                try:
-                    with env(MSA_DENSE_DETERMINISTIC="0"):
-                        pair = paired_ms(sdpa_fn(x, "CUDNN_ATTENTION", True), whole, pairs)
-                    run.row(dict(name=name, T=t, dist=dist, **pair))
-                except Exception as err:  # noqa: BLE001
-                    run.row(dict(name=name, T=t, dist=dist,
-                                 error=f"{type(err).__name__}: {err}"[:1000]))
-                torch.cuda.empty_cache()
+            for queued in (False, True):
+                name = ("dense_mode_nondeterministic_vs_cudnn_paired"
+                        + ("_queued" if queued else ""))
+                if torch.cuda.is_available() and run.left() < est + 5:
+                    run.row(dict(name=name, T=t, dist=dist, skipped="budget"))
+                elif torch.cuda.is_available():
+                    try:
+                        with env(MSA_DENSE_DETERMINISTIC="0"):
+                            pair = paired_ms(sdpa_fn(x, "CUDNN_ATTENTION", True), whole, pairs,
+                                             queued=queued)
+                        run.row(dict(name=name, T=t, dist=dist, **pair))
+                    except Exception as err:  # noqa: BLE001
+                        run.row(dict(name=name, T=t, dist=dist,
+                                     error=f"{type(err).__name__}: {err}"[:1000]))
+                    torch.cuda.empty_cache()
             if dist == dists[0]:  # what the rows above ran on (a route refused at this size
                 # by a real call shows under "refused")
                 run.row(dict(name="route", T=t, dist=dist, **dense.route_report(x["q"], x["k"])))

@@ -34,6 +34,8 @@ def main() -> None:
     parser.add_argument("--dists", nargs="+", default=["iid", "coherent"])
     parser.add_argument("--budgets-gib", type=float, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--pairs", type=int, default=8)
+    parser.add_argument("--queued", action="store_true",
+                        help="pairs timed as BENCHMARK.md's do_bench loop (no wait between calls)")
     parser.add_argument("--forward-checks", nargs="+", default=["auto", "before"],
                         choices=["auto", "before"], help="dense.FORWARD_CHECK values to pair")
     args = parser.parse_args()
@@ -55,7 +57,8 @@ def main() -> None:
         for where in args.forward_checks:
             default_check, dense.FORWARD_CHECK = dense.FORWARD_CHECK, where
             try:
-                pair = paired_ms(sdpa_fn(x, "CUDNN_ATTENTION", True), whole, args.pairs)
+                pair = paired_ms(sdpa_fn(x, "CUDNN_ATTENTION", True), whole, args.pairs,
+                                 queued=args.queued)
             finally:
                 dense.FORWARD_CHECK = default_check
             name = f"dense_vs_cudnn_{dist}" + ("" if where == "auto" else f"_check_{where}")

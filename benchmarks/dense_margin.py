@@ -32,7 +32,8 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--dists", nargs="+", default=["iid", "coherent"])
-    parser.add_argument("--budgets-gib", type=float, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--budgets-gib", type=float, nargs="*", default=[1, 2, 4, 8],
+                        help="dz budgets (GiB) to time the KL alone at; none: skip")
     parser.add_argument("--pairs", type=int, default=8)
     parser.add_argument("--queued", action="store_true",
                         help="pairs timed as BENCHMARK.md's do_bench loop (no wait between calls)")

@@ -201,7 +201,11 @@ def msa_layer(
             queries get finite outputs but no KL term.
         groups: :class:`~msa_megatron.parallel.groups.ParallelGroups` (CP group, TP share group).
         block_idx: ``[T, Hi, top_k]`` int32 selection of an earlier call (reused, e.g. by
-            activation recomputation; never recomputed), or None to select.
+            activation recomputation; never recomputed), or None to select. Its reverse index
+            (the Triton backend's) is remembered on the tensor by its autograd version: refill
+            a kept buffer through ordinary in-place ops (``copy_``), not ones that bypass the
+            version counter (``.data``, ``torch.distributed.broadcast``, DLPack), or pass a
+            new tensor. ``cu_seqlens`` has no such rule (its memo compares values).
         stats: a :data:`~msa_megatron.parallel.context.STAT_KEYS` dict the CP bytes are added
             to (backward entries when backward runs), or None for a fresh one.
 
@@ -236,8 +240,8 @@ def msa_layer(
                                  options.block_size, q.device, total_local=T)
         q_pos, q_kbase = layout.q_pos, layout.q_kbase
     else:
-        check_cu_seqlens(cu_seqlens, T, q.device)
-        q_pos, q_kbase = shared_query_layout(cu_seqlens, T, q.device)
+        values = check_cu_seqlens(cu_seqlens, T, q.device)
+        q_pos, q_kbase = shared_query_layout(cu_seqlens, T, q.device, values)
     kl_rows = None
     if cu_seqlens_real is not None:
         padded = cu_seqlens if cu_seqlens is not None else torch.tensor(

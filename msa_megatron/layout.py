@@ -18,7 +18,7 @@ composer (:mod:`msa_megatron.core`) and the parallel layouts; it imports nothing
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -53,40 +53,49 @@ _SHARED_SINGLE_MAX = 8
 
 
 def shared_query_layout(
-    cu_seqlens: Optional[torch.Tensor], total: int, device: torch.device
+    cu_seqlens: Optional[torch.Tensor], total: int, device: torch.device,
+    values: Optional[Sequence[int]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`query_layout`, the same tensor objects again for the same layout: remembered on
-    the ``cu_seqlens`` tensor (an attribute, living as long as it; a hit needs it unmodified
-    since, by ``_version``, and the same ``total`` and device), or for ``cu_seqlens=None`` per
-    ``(total, device)`` (the last 8). Every layer of a micro-batch, and every step of one
-    shape, then hands the backends the same ``q_pos`` / ``q_kbase``, so what a backend derives
-    from them on the host (the dense routes' sequence lengths, ``ops.dense.sequences_of``) is
-    read once. The results must not be modified in place (a modified one is rebuilt: the
-    memo keeps their versions). Not remembered under ``torch.compile`` tracing, in inference
-    mode (inference tensors cannot be saved for a later backward) or on the meta device.
+    the ``cu_seqlens`` tensor (an attribute, living as long as it; a hit needs the same values,
+    the same ``total`` and device), or for ``cu_seqlens=None`` per ``(total, device)`` (the last
+    8). Every layer of a micro-batch, and every step of one shape, then hands the backends the
+    same ``q_pos`` / ``q_kbase``, so what a backend derives from them on the host (the dense
+    routes' sequence lengths, ``ops.dense.sequences_of``) is read once.
 
-    Args and result as :func:`query_layout`.
+    A hit compares the values themselves, not the tensor's autograd version counter: writes
+    that do not move ``_version`` (a numpy buffer shared by ``torch.from_numpy`` and refilled,
+    ``.data`` writes, ``torch.distributed.broadcast`` into a kept buffer, DLPack) change the
+    layout too. The results must not be modified in place (a modified one is rebuilt: the memo
+    keeps their versions). Not remembered under ``torch.compile`` tracing, in inference mode
+    (inference tensors cannot be saved for a later backward) or on the meta device.
+
+    Args:
+        cu_seqlens, total, device: as :func:`query_layout`.
+        values: ``cu_seqlens`` read on the host (what
+            :func:`msa_megatron.ops.validation.check_cu_seqlens` returns), so that the memo
+            costs no second read; read here when None.
     """
     if (torch.compiler.is_compiling() or torch.is_inference_mode_enabled()
             or torch.device(device).type == "meta"
-            or (cu_seqlens is not None and cu_seqlens.is_inference())):
+            or (cu_seqlens is not None and (cu_seqlens.is_inference() or cu_seqlens.is_meta))):
         return query_layout(cu_seqlens, total, device)
     key = (total, str(device))
     if cu_seqlens is None:
         memo = _SHARED_SINGLE.get(key)
+        values = None
     else:
         memo = getattr(cu_seqlens, _SHARED_ATTR, None)
+        values = tuple(int(x) for x in (cu_seqlens.tolist() if values is None else values))
     if memo is not None:
-        memo_key, cu_version, q_pos, q_kbase, pos_version, kbase_version = memo
-        if (memo_key == key and q_pos._version == pos_version
-                and q_kbase._version == kbase_version
-                and (cu_seqlens is None or cu_seqlens._version == cu_version)):
+        memo_key, memo_values, q_pos, q_kbase, pos_version, kbase_version = memo
+        if (memo_key == key and memo_values == values and q_pos._version == pos_version
+                and q_kbase._version == kbase_version):
             if cu_seqlens is None:
                 _SHARED_SINGLE.move_to_end(key)
             return q_pos, q_kbase
     q_pos, q_kbase = query_layout(cu_seqlens, total, device)
-    memo = (key, None if cu_seqlens is None else cu_seqlens._version, q_pos, q_kbase,
-            q_pos._version, q_kbase._version)
+    memo = (key, values, q_pos, q_kbase, q_pos._version, q_kbase._version)
     if cu_seqlens is None:
         _SHARED_SINGLE[key] = memo
         _SHARED_SINGLE.move_to_end(key)

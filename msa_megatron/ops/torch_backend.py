@@ -463,7 +463,7 @@ def kl_kernel(
         lse_z = torch.logsumexp(z + sup.bias, dim=-1, keepdim=True)
         log_qs = z - torch.where(lse_z < _masked_value(acc) / 2, 0.0, lse_z)
         terms = teacher * (torch.log(teacher + tiny) - log_qs)
-        total += torch.where(teacher > 0, terms, 0.0).sum()
+        total += torch.where(teacher != 0, terms, 0.0).sum()  # 0 log 0 = 0; NaN is kept
         if compute_grad:
             dz = _group_major(student.sub_(teacher), Hik)
             dq_idx[rows] = _token_major(torch.bmm(dz, ki).mul_(kl_scale * index_scale), C)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -65,7 +65,8 @@ def check_same_dtype_device(named: dict) -> None:
             )
 
 
-def check_cu_seqlens(cu_seqlens: Optional[torch.Tensor], total: int, device: torch.device) -> None:
+def check_cu_seqlens(cu_seqlens: Optional[torch.Tensor], total: int, device: torch.device
+                     ) -> Optional[Tuple[int, ...]]:
     """Validate packed-sequence boundaries (MSA_SPEC section 1).
 
     Args:
@@ -75,12 +76,17 @@ def check_cu_seqlens(cu_seqlens: Optional[torch.Tensor], total: int, device: tor
         total: T, the number of packed tokens.
         device: the device of the other inputs.
 
+    Returns:
+        The values read on the host (a tuple of ints; one device sync on CUDA), or None when
+        there are none to read: ``cu_seqlens`` None, on the meta device or under
+        ``torch.compile`` tracing.
+
     Raises:
         TypeError: not a tensor or not int32.
         ValueError: not 1-D, empty, first != 0, last != T, decreasing, or on another device.
     """
     if cu_seqlens is None:
-        return
+        return None
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"cu_seqlens must be a torch.Tensor or None, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype != torch.int32:
@@ -90,7 +96,7 @@ def check_cu_seqlens(cu_seqlens: Optional[torch.Tensor], total: int, device: tor
     if cu_seqlens.device != device:
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but the inputs are on {device}")
     if cu_seqlens.is_meta:  # no values to check: shape inference only
-        return
+        return None
     if torch.compiler.is_compiling():
         # The eager checks below read the tensor on the host, which torch.compile cannot trace
         # (fullgraph=True). Traced instead: one device-side assertion over the same conditions
@@ -100,7 +106,7 @@ def check_cu_seqlens(cu_seqlens: Optional[torch.Tensor], total: int, device: tor
               & (cu_seqlens[1:] >= cu_seqlens[:-1]).all())
         torch._assert_async(ok, "cu_seqlens must start at 0, end at T and never decrease "
                                 "(checked inside torch.compile)")
-        return
+        return None
     host = cu_seqlens.tolist()
     if host[0] != 0:
         raise ValueError(f"cu_seqlens[0] must be 0, got {host[0]}")
@@ -109,6 +115,7 @@ def check_cu_seqlens(cu_seqlens: Optional[torch.Tensor], total: int, device: tor
     for a, b in zip(host[:-1], host[1:]):
         if b < a:
             raise ValueError(f"cu_seqlens must be non-decreasing, got {host}")
+    return tuple(host)
 
 
 def check_index_inputs(q_idx: torch.Tensor, k_idx: torch.Tensor) -> tuple:

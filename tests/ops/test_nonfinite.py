@@ -193,3 +193,29 @@ def test_selection_of_other_sequences_is_unchanged(backend, tensor, value):
     assert torch.equal(sel[0][:lens[0]], sel[1][:lens[0]])
     if backend == "torch":
         assert torch.equal(sel[1], _oracle_selection(x, top_k))
+
+
+@pytest.mark.parametrize("mode", ["sparse", "dense"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_overflowing_logits_of_finite_inputs_reach_the_kl(backend, mode):
+    """Finite inputs whose main logit overflows fp32 in one row (q[40, 0, 3] * k[10, 0, 3] =
+    1e40, 2.5e39 after the softmax scale): that row's probabilities, so its teacher, are NaN, and the KL value is NaN as the
+    oracle's in the same dtype. The torch backend's all-finite path once dropped the NaN teacher
+    from the value (``teacher > 0`` is false for NaN) and logged a finite KL while the row's
+    output and ``dq_idx`` were NaN."""
+    x = make_inputs([45, 38], heads=4, kv_heads=2, index_heads=2, index_key_heads=1,
+                    seed=seed_from(f"overflow-{mode}"), requires_grad=False)
+    x["q"][40, 0, 3] = 1e21
+    x["k"][10, 0, 3] = 1e19
+    x = {n: t.to(DEVICE) for n, t in x.items()}
+    assert all(torch.isfinite(x[n]).all() for n in NAMES)
+    block_idx = _oracle_selection(x, 2) if mode == "sparse" else None
+    if block_idx is not None:  # the overflowing key is in row 40's support
+        assert bool((block_idx[40, 0] == 0).any())
+    want = _run("reference", x, mode, 2, block_idx, torch.float32)
+    got = _run(backend, x, mode, 2, block_idx, torch.float32)
+    assert not bool(torch.isfinite(want[1])), "the oracle's KL must see the overflow"
+    assert not bool(torch.isfinite(got[1])), f"KL {got[1].item()} hides the NaN teacher"
+    for name, i in (("out", 0), ("dq_idx", 5)):
+        assert torch.equal(_affected(got[i]), _affected(want[i])), name
+        assert bool(_affected(want[i])[40].any()), name

@@ -2,6 +2,7 @@
 layout (so a backend's host reads of it happen once), never stale, never under tracing or in
 inference mode."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -62,3 +63,40 @@ def test_inference_mode_is_not_remembered():
         assert inside[0].is_inference()
     outside = shared_query_layout(cu, 20, CPU)
     assert not outside[0].is_inference() and _equal(outside, inside)
+
+
+def test_values_changed_without_a_version_bump_are_seen():
+    """Writes that do not move the autograd version counter (a numpy buffer shared through
+    ``torch.from_numpy`` and refilled per micro-batch, ``.data`` writes; on GPUs also
+    ``torch.distributed.broadcast`` into a kept buffer) still change the layout: the memo
+    compares values, so a refilled buffer never hands out the previous micro-batch's layout."""
+    buf = np.array([0, 20, 40], dtype=np.int32)
+    cu = torch.from_numpy(buf)
+    first = shared_query_layout(cu, 40, CPU)
+    version = cu._version
+    buf[1] = 5
+    assert cu._version == version  # the trap: the tensor's version did not move
+    again = shared_query_layout(cu, 40, CPU)
+    assert not _same(again, first) and _equal(again, query_layout(cu, 40, CPU))
+    cu.data[1] = 30
+    assert _equal(shared_query_layout(cu, 40, CPU), query_layout(cu, 40, CPU))
+    # values passed by the caller (the validated host read) are what the memo compares
+    assert _equal(shared_query_layout(cu, 40, CPU, (0, 30, 40)), query_layout(cu, 40, CPU))
+
+
+def test_msa_attention_follows_a_refilled_cu_seqlens_buffer():
+    """End to end: the same ``cu_seqlens`` tensor refilled in place without a version bump
+    gives the result of a fresh tensor with the new values (was: the old layout's output, bit
+    for bit, across the new document boundary)."""
+    from msa_megatron import msa_attention
+    gen = torch.Generator().manual_seed(7)
+    q, k, v, qi, ki = (torch.randn(40, h, 16, generator=gen) for h in (4, 2, 2, 2, 1))
+    buf = np.array([0, 20, 40], dtype=np.int32)
+    cu = torch.from_numpy(buf)
+    before, _ = msa_attention(q, k, v, qi, ki, cu, block_size=16, top_k=2, backend="torch")
+    buf[1] = 5
+    out, kl = msa_attention(q, k, v, qi, ki, cu, block_size=16, top_k=2, backend="torch")
+    fresh, kl_fresh = msa_attention(q, k, v, qi, ki, torch.tensor([0, 5, 40], dtype=torch.int32),
+                                    block_size=16, top_k=2, backend="torch")
+    assert not torch.equal(before, fresh)  # the two layouts give different results
+    assert torch.equal(out, fresh) and torch.equal(kl, kl_fresh)

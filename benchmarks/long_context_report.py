@@ -8,9 +8,9 @@ data) and writes:
 - ``<out>.json``: per row the layout, sequence length, steps, and per variant the held-out
   loss, tokens/s after the switch (tokens over seconds of the steps after the warm-up but the
   first, whose Triton compiles take up to ~30 s: the rate of the whole stretch, not a mean of
-  per-step rates), the selection recall at the
-  first probe after the switch and the mean of the last 4 probes, and the loss difference
-  (MSA - dense) of the training loss averaged over the last 50 steps;
+  per-step rates), the selection recall at the first probe after the switch and the mean of
+  the last 4 probes, the loss difference (MSA - dense) of the training loss averaged over the
+  last 50 steps, and MSA's tokens/s over dense's;
 - ``<out>.md``: the same as a Markdown table;
 - ``<out>.png``: per row, the training-loss difference MSA - dense (smoothed over 10 steps) and
   the recall of both variants against the step.
@@ -79,13 +79,16 @@ def summarise(run: dict) -> dict:
     }
 
 
-def loss_gap(msa: dict, dense: dict) -> float:
-    """Mean over the last :data:`LAST_STEPS` common steps of the training loss, MSA - dense
-    (the same windows in the same order when both ran with one seed)."""
+def loss_gaps(msa: dict, dense: dict) -> List[tuple]:
+    """``[(step, training loss MSA - dense)]`` over the steps both logged (the same windows in
+    the same order when both ran with one seed)."""
     d = dict(zip(dense["steps"], dense["loss"]))
-    common = [(s, l) for s, l in zip(msa["steps"], msa["loss"]) if s in d]
-    tail = common[-LAST_STEPS:]
-    return _mean([l - d[s] for s, l in tail])
+    return [(s, l - d[s]) for s, l in zip(msa["steps"], msa["loss"]) if s in d]
+
+
+def loss_gap(msa: dict, dense: dict) -> float:
+    """Mean of :func:`loss_gaps` over the last :data:`LAST_STEPS` common steps."""
+    return _mean([g for _, g in loss_gaps(msa, dense)[-LAST_STEPS:]])
 
 
 def row_record(label: str, paths: Sequence[str]) -> dict:
@@ -94,13 +97,14 @@ def row_record(label: str, paths: Sequence[str]) -> dict:
     if missing:
         raise ValueError(f"row {label!r}: no {sorted(missing)} variant in {list(paths)}")
     args = runs["msa"]["args"]
+    msa, dense = summarise(runs["msa"]), summarise(runs["dense"])
     return {
         "label": label, "files": list(paths), "seq_len": args["seq_len"], "tp": args["tp"],
         "cp": args["cp"], "warmup_steps": args["warmup_steps"], "top_k": args["top_k"],
         "block_size": args["block_size"],
-        "msa": summarise(runs["msa"]), "dense": summarise(runs["dense"]),
+        "msa": msa, "dense": dense,
         "train_loss_gap_last_steps": loss_gap(runs["msa"], runs["dense"]),
-        "speedup_tokens_per_s": None,
+        "speedup_tokens_per_s": msa["tokens_per_s"] / dense["tokens_per_s"],
         "_runs": runs,
     }
 
@@ -128,9 +132,7 @@ def plot(rows: List[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 3.8))
     for r in rows:
-        msa, dense = r["_runs"]["msa"], r["_runs"]["dense"]
-        d = dict(zip(dense["steps"], dense["loss"]))
-        pairs = [(s, l - d[s]) for s, l in zip(msa["steps"], msa["loss"]) if s in d]
+        pairs = loss_gaps(r["_runs"]["msa"], r["_runs"]["dense"])
         steps = [s for s, _ in pairs]
         gaps = [g for _, g in pairs]
         smooth = [_mean(gaps[max(0, i - 9):i + 1]) for i in range(len(gaps))]
@@ -143,8 +145,7 @@ def plot(rows: List[dict], path: Path) -> None:
                          style, label=f"{r['label']}: {name}")
     axes[0].axhline(0.0, color="black", linewidth=0.8)
     axes[0].set(title="training loss, MSA - dense (10-step mean; thin line: the switch)",
-                xlabel="step",
-                ylabel="nats / byte")
+                xlabel="step", ylabel="nats / byte")
     axes[1].set(title="selection recall of the dense attention mass", xlabel="step",
                 ylabel="share", ylim=(0, 1.02))
     for ax in axes:
@@ -169,8 +170,6 @@ def main(argv=None) -> int:
         if not sep or not files:
             parser.error(f"--row {spec!r}: expected LABEL=FILE[,FILE]")
         rows.append(row_record(label, files.split(",")))
-    for r in rows:
-        r["speedup_tokens_per_s"] = r["msa"]["tokens_per_s"] / r["dense"]["tokens_per_s"]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {"note": args.note,

@@ -37,8 +37,10 @@ outputs but are not part of the KL (no KL term, not counted in N), with or witho
 Selection reuse (MSA_SPEC section 6): under megatron-core activation checkpointing (selective
 ``core_attn`` or full layer recompute) the core attention runs twice per micro-batch: once
 without grad inside the checkpoint's forward, once in backward. The first run stores its
-``block_idx`` in a per-layer FIFO; the recomputation takes the oldest entry (megatron's
-schedules run each layer's backwards in the order of its forwards) and frees it. Without
+``block_idx`` in a per-layer :class:`~msa_megatron.megatron.selection_store.SelectionStore` with a
+fingerprint of the index q/k it was chosen from; the recomputation takes the entry whose
+fingerprint matches its own and frees it, so backwards may come in any order (``(l0 +
+l1).backward()``, reversed, or never for a forward-only pass). Without
 checkpointing the selection lives in the autograd graph only. A checkpoint whose first pass is
 not megatron-core's (``is_checkpointing()`` false, e.g. Transformer Engine's fp8 checkpoint)
 stores nothing; its recomputation then selects again from bitwise-identical index q/k: the same
@@ -47,10 +49,9 @@ blocks, only slower.
 
 from __future__ import annotations
 
-import collections
 import warnings
 from dataclasses import dataclass
-from typing import Any, Deque, Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 import torch
 from megatron.core import tensor_parallel
@@ -78,6 +79,7 @@ from .index import (  # noqa: F401  (build_head_layout, MSAHeadLayout: public he
 )
 from .loss import attach_kl_loss, set_kl_loss_scale
 from .metrics import cp_stats_accumulator, record_kl
+from .selection_store import SelectionStore
 from .sequence_parallel import SharedGather, can_run_local, local_projection
 
 
@@ -297,7 +299,7 @@ class MSACoreAttention(MegatronModule):
         self.layout: Optional[MSAHeadLayout] = None
         self.tp_size = 1
         self.mode = "sparse"
-        self._selection_fifo: Deque[torch.Tensor] = collections.deque()
+        self._selections = SelectionStore(layer_number)
         self.probe = None  # a SelectionProbe armed for the next forward (megatron/probe.py)
         if config.attention_dropout:
             warnings.warn("MSA attention applies no attention dropout "
@@ -310,6 +312,7 @@ class MSACoreAttention(MegatronModule):
         self.msa_config = msa_config
         self.layout = layout
         self.layer_number = layer_number
+        self._selections.layer_number = layer_number
         self.groups = groups
         self.tp_size = tp_size
         self.set_mode(msa_config.mode)
@@ -318,11 +321,11 @@ class MSACoreAttention(MegatronModule):
         """``"sparse"`` or ``"dense"`` (warmup, MSA_SPEC section 5); drops stored selections."""
         check_mode(mode)
         self.mode = mode
-        self._selection_fifo.clear()
+        self._selections.clear()
 
     def clear_selections(self) -> None:
         """Drop stored selections (see :func:`clear_selection_cache`)."""
-        self._selection_fifo.clear()
+        self._selections.clear()
 
     def options(self) -> MSAOptions:
         """The composer options of the next call: the MSAConfig with this layer's mode, its
@@ -380,17 +383,12 @@ class MSACoreAttention(MegatronModule):
         recomputing = torch.is_grad_enabled() and compat.is_checkpointing()
         first_of_checkpoint = (not torch.is_grad_enabled() and compat.is_checkpointing()
                                and self.training)
-        block_idx = None
-        if self.mode == "sparse" and recomputing and self._selection_fifo:
-            block_idx = self._selection_fifo.popleft()
-            if block_idx.shape[0] != q.shape[0]:
-                raise RuntimeError(
-                    f"layer {self.layer_number}: stored selection of {block_idx.shape[0]} tokens "
-                    f"does not match the recomputed micro-batch of {q.shape[0]} tokens"
-                )
         if cu_seqlens is None:
             cu_seqlens = (torch.arange(batch + 1, dtype=torch.int32, device=q.device) * seq_len
                           if cp_size == 1 else sbhd_cu_seqlens(batch, seq_len * cp_size, q.device))
+        block_idx = None
+        if self.mode == "sparse" and recomputing:
+            block_idx = self._selections.take(q_idx, k_idx, cu_seqlens, cu_real)
         # N of the KL normaliser: the real tokens of the micro-batch over all CP ranks.
         # (Meta tensors have no values: their KL, a meta tensor, does not depend on this.)
         tokens_global = (q.shape[0] * cp_size if cu_real is None or cu_real.is_meta
@@ -407,7 +405,7 @@ class MSACoreAttention(MegatronModule):
         if self.probe is not None and not recomputing:  # after msa_layer checked the inputs
             self._observe_selection(q, k, q_idx, k_idx, cu_seqlens, cp_size, options)
         if first_of_checkpoint and result.block_idx is not None:
-            self._selection_fifo.append(result.block_idx)
+            self._selections.put(result.block_idx, q_idx, k_idx, cu_seqlens, cu_real)
         if self.training and not recomputing:
             record_kl(self.layer_number, result.kl, self.tp_size * cp_size)
         return result.out, result.kl
@@ -499,8 +497,10 @@ def apply_msa_warmup(model: Union[torch.nn.Module, Iterable[torch.nn.Module]], s
 
 
 def clear_selection_cache(model: Union[torch.nn.Module, Iterable[torch.nn.Module]]) -> None:
-    """Drop stored selections (e.g. after a forward-only pass run in training mode with
-    activation checkpointing, whose recomputation will never come)."""
+    """Drop stored selections, e.g. after a forward-only pass run in training mode with
+    activation checkpointing, whose recomputation will never come. Not needed for correctness
+    (a recomputation takes only the selection made from its own inputs); it frees their memory
+    (``[T, G, top_k]`` int32 per layer) and keeps them from filling the per-layer cap."""
     for core in _msa_cores(model):
         core.clear_selections()
 

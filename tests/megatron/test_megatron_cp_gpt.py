@@ -272,3 +272,42 @@ def test_gpt_context_parallel_matches_single_rank(references, tp, cp, recompute,
     for step, (fmt, exchange) in enumerate(STEPS):
         print(f"TP={tp} CP={cp} step {step} {fmt} {exchange}: CP bytes received per rank "
               f"(fwd, bwd) per layer: {records[0]['cp_bytes'][step]}")
+
+
+def _reversed_backwards_worker(rank: int, world_size: int, cp: int, recompute) -> dict:
+    """Two micro-batches (SBHD, padded THD) forward, then their backwards in reverse order."""
+    from megatron.core import parallel_state
+
+    _install_cp_rope_shim()
+    setup = Setup(recompute=recompute)
+    model, _ = _build(setup, 1, cp)
+    cp_group = parallel_state.get_context_parallel_group()
+    with count_selections(setup.backend) as counts:
+        losses = []
+        for micro, fmt in enumerate(("sbhd", "thd")):
+            tokens, positions, packed = _cp_batch(micro, fmt, cp_group)
+            losses.append(model(tokens, positions, None, labels=tokens,
+                                packed_seq_params=packed).sum() / (BATCH * SEQ))
+        forward_calls = counts["calls"]
+        for loss in reversed(losses):
+            loss.backward()
+    sum_qk_norm_grads(model)
+    for param in model.parameters():
+        if param.grad is not None:
+            dist.all_reduce(param.grad, group=cp_group)
+    return {"grads": full_grads(model), "forward_calls": forward_calls,
+            "calls": counts["calls"]}
+
+
+def test_gpt_context_parallel_recompute_backwards_in_reverse():
+    """CP=2 with selective core_attn recomputation, backwards in the reverse order of the
+    forwards: each recomputation finds its own micro-batch's selection (no new selection) and
+    the gradients equal those without recomputation."""
+    skip_without_gpus(2)
+    ref = run_distributed(_reversed_backwards_worker, 2, args=(2, None), tp=1, cp=2)
+    rec = run_distributed(_reversed_backwards_worker, 2, args=(2, "selective"), tp=1, cp=2)
+    for rank, (r, g) in enumerate(zip(rec, ref)):
+        assert r["forward_calls"] == 2 * Setup().layers and r["calls"] == r["forward_calls"]
+        for name, grad in g["grads"].items():
+            torch.testing.assert_close(r["grads"][name], grad, **GRAD_TOL,
+                                       msg=f"rank {rank}: grad of {name}")

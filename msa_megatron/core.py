@@ -227,7 +227,7 @@ def msa_layer(
     if options.mode == "dense":
         block_idx = None
     elif block_idx is not None:
-        _check_block_idx(block_idx, T, hi, options.top_k)
+        _check_block_idx(block_idx, T, hi, options.top_k, q.device)
     impl = get_backend(name)
 
     # 2. Query layout.
@@ -242,6 +242,8 @@ def msa_layer(
     else:
         values = check_cu_seqlens(cu_seqlens, T, q.device)
         q_pos, q_kbase = shared_query_layout(cu_seqlens, T, q.device, values)
+    if block_idx is not None:
+        _check_block_values(block_idx, q_pos, options.block_size)
     kl_rows = None
     if cu_seqlens_real is not None:
         padded = cu_seqlens if cu_seqlens is not None else torch.tensor(
@@ -359,13 +361,41 @@ def kl_of_rows(impl, rows: Optional[torch.Tensor], q: torch.Tensor, k: torch.Ten
     return impl.kl(q, k, lse, q_idx, k_idx, block_idx, q_pos, q_kbase, **options)
 
 
-def _check_block_idx(block_idx: torch.Tensor, total: int, hi: int, top_k: int) -> None:
+def _check_block_idx(block_idx: torch.Tensor, total: int, hi: int, top_k: int,
+                     device: torch.device) -> None:
     if not isinstance(block_idx, torch.Tensor) or block_idx.dtype != torch.int32:
         raise TypeError("block_idx must be an int32 torch.Tensor [T_local, Hi_local, top_k]")
     if tuple(block_idx.shape) != (total, hi, top_k):
         raise ValueError(
             f"block_idx has shape {list(block_idx.shape)}, expected [T_local, Hi_local, top_k] = "
             f"{[total, hi, top_k]}"
+        )
+    if block_idx.device != device:
+        raise ValueError(f"block_idx is on {block_idx.device} but the inputs are on {device}")
+
+
+def _check_block_values(block_idx: torch.Tensor, q_pos: torch.Tensor, block_size: int) -> None:
+    """A given selection must be one :func:`select_blocks` could return (MSA_SPEC section 2.5):
+    per row, strictly ascending block numbers in ``[0, blk(p)]`` that include the query's own
+    block ``blk(p) = q_pos // block_size``, then ``-1`` slots. Anything else would read past the
+    sequence, count a block twice or leave a row with nothing to attend to. One host read."""
+    if block_idx.is_meta or block_idx.numel() == 0:
+        return
+    own = (q_pos.to(torch.int64) // block_size).view(-1, 1, 1)
+    b = block_idx.to(torch.int64)
+    used = b >= 0
+    out_of_range = (b < -1) | (b > own)
+    after_unused = used[..., 1:] & ~used[..., :-1]
+    not_ascending = used[..., 1:] & (b[..., 1:] <= b[..., :-1])
+    bad = (out_of_range.flatten(1).any(1) | after_unused.flatten(1).any(1)
+           | not_ascending.flatten(1).any(1) | ~(b == own).any(2).all(1))
+    if bool(bad.any()):
+        row = int(torch.nonzero(bad)[0, 0])
+        raise ValueError(
+            f"block_idx row {row} (query position {int(q_pos[row])}, own block "
+            f"{int(own[row])}) holds {block_idx[row].tolist()}: each row must list strictly "
+            "ascending block numbers in [0, own block], including the own block, then -1 "
+            "slots, as select_blocks returns"
         )
 
 

@@ -129,7 +129,8 @@ def real_token_rows(cu_seqlens_padded: torch.Tensor, cu_seqlens_real: Optional[t
 
     Raises:
         TypeError: ``cu_seqlens_real`` not an int32 tensor.
-        ValueError: shapes differ, or a real length is negative or above its padded length.
+        ValueError: shapes differ, the real boundaries do not start at 0, or a real length is
+            negative or above its padded length.
     """
     if cu_seqlens_real is None:
         return None
@@ -142,12 +143,14 @@ def real_token_rows(cu_seqlens_padded: torch.Tensor, cu_seqlens_real: Optional[t
         )
     if q_pos.is_meta:  # shape inference: R depends on the values
         return None
-    real = torch.diff(cu_seqlens_real.to(device=q_pos.device, dtype=torch.int64))
+    real_bounds = cu_seqlens_real.to(device=q_pos.device, dtype=torch.int64)
+    real = torch.diff(real_bounds)
     padded = torch.diff(cu_seqlens_padded.to(device=q_pos.device, dtype=torch.int64))
-    if bool((real < 0).any()) or bool((real > padded).any()):
+    if bool((real < 0).any() | (real > padded).any() | (real_bounds[:1] != 0).any()):
         raise ValueError(
-            f"the real (unpadded) cu_seqlens {cu_seqlens_real.tolist()} must have non-negative "
-            f"lengths no larger than those of the padded cu_seqlens {cu_seqlens_padded.tolist()}"
+            f"the real (unpadded) cu_seqlens {cu_seqlens_real.tolist()} must start at 0 and have "
+            f"non-negative lengths no larger than those of the padded cu_seqlens "
+            f"{cu_seqlens_padded.tolist()}"
         )
     if bool((real == padded).all()):
         return None

@@ -27,7 +27,9 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _shape(t: torch.Tensor) -> str:
-    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+    # an f-string of a list, which torch.compile can trace: under fullgraph=True its
+    # Unsupported error then carries this message ("raised exception ValueError(...)")
+    return f"{list(t.shape)}"
 
 
 def check_tensor(name: str, t: object, ndim: int) -> torch.Tensor:

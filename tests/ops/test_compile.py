@@ -53,6 +53,34 @@ def test_fullgraph_compile_matches_eager(mode, seed):
         assert_close(a, b, 1e-6, name)
 
 
+@pytest.mark.parametrize("bad", ["k", "q_idx"])
+def test_fullgraph_compile_of_bad_shapes_carries_the_message(bad):
+    """Under ``fullgraph=True`` dynamo turns any raise into its ``Unsupported`` error; the shape
+    checks are traceable, so that error carries the ValueError and its message (shapes named),
+    and without fullgraph the plain ValueError comes through."""
+    torch._dynamo.reset()
+    x = make_inputs((32, 32), heads=4, kv_heads=2, index_heads=2, index_key_heads=1,
+                    dtype=torch.float32, seed=0, requires_grad=False)
+    good = [x[n] for n in NAMES]
+    x[bad] = x[bad][:, :, :8] if bad == "k" else x[bad][:40]
+    leaves = [x[n] for n in NAMES]
+
+    def layer(*args):
+        return msa_attention(*args, backend="torch", **OPTIONS)
+
+    # After a good call the changed size is traced as a symbol (automatic dynamic shapes).
+    want = r"k .*\[64, 2, s\d+\].* and v \[64, 2, 16\]" if bad == "k" else r"q_idx .*\[s\d+, 2"
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    compiled(*good, x["cu_seqlens"])
+    with pytest.raises(RuntimeError, match=r"raised exception ValueError\(.*" + want):
+        compiled(*leaves, x["cu_seqlens"])
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="aot_eager")
+    compiled(*good, x["cu_seqlens"])
+    with pytest.raises(ValueError, match=r"k \[64, 2, 8\]" if bad == "k" else r"q_idx \[40"):
+        compiled(*leaves, x["cu_seqlens"])
+
+
 @pytest.mark.parametrize("bad", [[0, 40, 20, 64], [0, 32, 60], [5, 32, 64]],
                          ids=["decreasing", "short", "not_at_zero"])
 def test_compiled_op_refuses_bad_cu_seqlens_values(bad):

@@ -68,8 +68,10 @@ def test_fullgraph_compile_of_bad_shapes_carries_the_message(bad):
     def layer(*args):
         return msa_attention(*args, backend="torch", **OPTIONS)
 
-    # After a good call the changed size is traced as a symbol (automatic dynamic shapes).
-    want = r"k .*\[64, 2, s\d+\].* and v \[64, 2, 16\]" if bad == "k" else r"q_idx .*\[s\d+, 2"
+    # After a good call the changed size is traced as a symbol (automatic dynamic shapes),
+    # where str() of each size could not be traced.
+    # (torch 2.13 formats the message, 2.11 prints its parts: match what both keep)
+    want = r"k .* and v .*must have the same shape" if bad == "k" else r"q_idx .*disagree on T"
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     compiled(*good, x["cu_seqlens"])
     with pytest.raises(RuntimeError, match=r"raised exception ValueError\(.*" + want):

@@ -10,12 +10,14 @@ recomputation takes the entry whose fingerprint matches its own, not simply the 
 
 The fingerprint of a pass is, per feature of the index queries and the index keys, the sum over
 tokens weighted by fixed pseudo-random signs (one sign per token position), in fp32, plus the
-THD boundaries. Recomputation reproduces the index q/k bitwise under megatron-core's
-checkpointing; the match allows a relative L2 distance of :data:`MATCH_RTOL` for recomputations
-that are not bitwise (different micro-batches differ by about 1.4 in that measure). When no
-entry matches (its entry was dropped, or it was stored by another kind of checkpoint), the
-recomputation selects again from its inputs, which gives the same blocks for the same index q/k,
-and a warning says so once per layer.
+THD boundaries; under CP the key part of every CP rank (a rank's selection reads them all).
+Recomputation reproduces the index q/k bitwise under megatron-core's checkpointing (distance
+0); the match allows a relative L2 distance of :data:`MATCH_RTOL` for fp32-level differences
+(another GEMM algorithm), and is tight on purpose: when a micro-batch's own entry is missing, a
+similar micro-batch's must not be taken (different micro-batches differ by about 1.4 in that
+measure, one changed token of T by about ``1/sqrt(T)``). When no entry matches (its entry was
+dropped, or a recomputation was not bitwise), the recomputation selects again from its inputs,
+which gives the same blocks for the same index q/k, and a warning says so once per layer.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
-MATCH_RTOL = 0.05
+MATCH_RTOL = 1e-3
 """Largest relative L2 distance between fingerprints of one micro-batch's two passes."""
 
 MAX_STORED = 64
@@ -55,9 +58,12 @@ def token_signs(tokens: int, device: torch.device) -> torch.Tensor:
     return signs[:tokens]
 
 
-def fingerprint(q_idx: torch.Tensor, k_idx: torch.Tensor) -> torch.Tensor:
+def fingerprint(q_idx: torch.Tensor, k_idx: torch.Tensor, cp_group=None) -> torch.Tensor:
     """Signed token sums of the THD index queries ``[T, Hi, Di]`` and keys ``[T, Hik, Di]``:
-    a fp32 vector of ``Hi*Di + Hik*Di`` entries on their device."""
+    a fp32 vector of ``Hi*Di + Hik*Di`` entries on their device. Under CP (``cp_group`` of
+    size > 1) the key part of every CP rank is all-gathered (``Hi*Di + CP*Hik*Di`` entries):
+    a rank's selection reads every rank's index keys, so a micro-batch that differs only in
+    another rank's tokens must not match. A collective: call on every rank of the group."""
     signs = token_signs(q_idx.shape[0], q_idx.device)
     parts = []
     for t in (q_idx, k_idx):
@@ -67,6 +73,10 @@ def fingerprint(q_idx: torch.Tensor, k_idx: torch.Tensor) -> torch.Tensor:
         for start in range(0, flat.shape[0], step):
             acc += signs[start:start + step] @ flat[start:start + step].float()
         parts.append(acc)
+    if cp_group is not None and dist.get_world_size(cp_group) > 1:
+        keys = [torch.empty_like(parts[1]) for _ in range(dist.get_world_size(cp_group))]
+        dist.all_gather(keys, parts[1], group=cp_group)
+        parts[1:] = keys
     return torch.cat(parts)
 
 
@@ -106,9 +116,11 @@ class SelectionStore:
         self._entries.clear()
 
     def put(self, block_idx: torch.Tensor, q_idx: torch.Tensor, k_idx: torch.Tensor,
-            cu_seqlens: Optional[torch.Tensor], cu_real: Optional[torch.Tensor]) -> None:
+            cu_seqlens: Optional[torch.Tensor], cu_real: Optional[torch.Tensor],
+            cp_group=None) -> None:
         """Keep ``block_idx`` of a checkpoint's first forward with the fingerprint of its THD
-        index q/k and its boundaries (``cu_seqlens``/``cu_real`` None for SBHD/unpadded)."""
+        index q/k and its boundaries (``cu_seqlens``/``cu_real`` None for SBHD/unpadded).
+        Under CP (``cp_group``) a collective, as :meth:`take`: every CP rank calls both."""
         if q_idx.is_meta:
             return
         if len(self._entries) >= MAX_STORED:
@@ -116,23 +128,23 @@ class SelectionStore:
             self._warn(f"more than {MAX_STORED} selections were stored and not reused; the "
                        "oldest was dropped (call clear_selection_cache after forward-only passes "
                        "in training mode with activation checkpointing)")
-        self._entries.append(_Entry(block_idx, fingerprint(q_idx, k_idx),
+        self._entries.append(_Entry(block_idx, fingerprint(q_idx, k_idx, cp_group),
                                     _boundaries(cu_seqlens), _boundaries(cu_real)))
 
     def take(self, q_idx: torch.Tensor, k_idx: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
-             cu_real: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+             cu_real: Optional[torch.Tensor], cp_group=None) -> Optional[torch.Tensor]:
         """Remove and return the stored ``block_idx`` chosen from these inputs, or None when
         nothing is stored or nothing matches (the caller then selects again). Of several
         matches the closest, then the oldest, is taken. One host read when any entry is a
         candidate."""
-        if not self._entries or q_idx.is_meta:
+        if not self._entries or q_idx.is_meta:  # alike on every CP rank: puts are
             return None
+        now = fingerprint(q_idx, k_idx, cp_group)  # before any test a rank could answer alone
         candidates = [i for i, e in enumerate(self._entries)
-                      if e.block_idx.shape[0] == q_idx.shape[0]
+                      if e.block_idx.shape[0] == q_idx.shape[0] and e.print_.shape == now.shape
                       and _may_match(e.cu_seqlens, cu_seqlens) and _may_match(e.cu_real, cu_real)]
         best = None
         if candidates:
-            now = fingerprint(q_idx, k_idx)
             rows = []
             for i in candidates:
                 e = self._entries[i]

@@ -274,8 +274,27 @@ def test_gpt_context_parallel_matches_single_rank(references, tp, cp, recompute,
               f"(fwd, bwd) per layer: {records[0]['cp_bytes'][step]}")
 
 
-def _reversed_backwards_worker(rank: int, world_size: int, cp: int, recompute) -> dict:
-    """Two micro-batches (SBHD, padded THD) forward, then their backwards in reverse order."""
+def _sbhd_differing_on_rank_1(micro: int, cp_group):
+    """Micro-batch 1 is micro-batch 0 with only the tokens CP rank 1 holds (chunks 1 and 2 of
+    4 in megatron's load-balanced split) changed: rank 0's own index q/k are identical in the
+    first layer, but its selection reads rank 1's index keys."""
+    from msa_megatron.megatron.compat import get_batch_on_this_cp_rank
+
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(100))
+    if micro == 1:
+        tokens[:, SEQ // 4: 3 * SEQ // 4] = torch.randint(
+            0, VOCAB, (BATCH, SEQ // 2), generator=torch.Generator().manual_seed(7))
+    positions = torch.arange(SEQ).expand(BATCH, SEQ).contiguous()
+    local = get_batch_on_this_cp_rank({"tokens": tokens, "position_ids": positions},
+                                      cp_group=cp_group)
+    device = selected_device()
+    return local["tokens"].to(device), local["position_ids"].to(device), None
+
+
+def _reversed_backwards_worker(rank: int, world_size: int, cp: int, recompute, batches: str,
+                               order: str) -> dict:
+    """Two micro-batches forward, then their backwards reversed or summed. ``batches``:
+    ``"sbhd_thd"`` (an SBHD and a padded THD one) or ``"rank_1_differs"``."""
     from megatron.core import parallel_state
 
     _install_cp_rope_shim()
@@ -285,12 +304,16 @@ def _reversed_backwards_worker(rank: int, world_size: int, cp: int, recompute) -
     with count_selections(setup.backend) as counts:
         losses = []
         for micro, fmt in enumerate(("sbhd", "thd")):
-            tokens, positions, packed = _cp_batch(micro, fmt, cp_group)
+            tokens, positions, packed = (_cp_batch(micro, fmt, cp_group) if batches == "sbhd_thd"
+                                         else _sbhd_differing_on_rank_1(micro, cp_group))
             losses.append(model(tokens, positions, None, labels=tokens,
                                 packed_seq_params=packed).sum() / (BATCH * SEQ))
         forward_calls = counts["calls"]
-        for loss in reversed(losses):
-            loss.backward()
+        if order == "sum":
+            (losses[0] + losses[1]).backward()
+        else:
+            for loss in reversed(losses):
+                loss.backward()
     sum_qk_norm_grads(model)
     for param in model.parameters():
         if param.grad is not None:
@@ -299,13 +322,18 @@ def _reversed_backwards_worker(rank: int, world_size: int, cp: int, recompute) -
             "calls": counts["calls"]}
 
 
-def test_gpt_context_parallel_recompute_backwards_in_reverse():
-    """CP=2 with selective core_attn recomputation, backwards in the reverse order of the
-    forwards: each recomputation finds its own micro-batch's selection (no new selection) and
-    the gradients equal those without recomputation."""
+@pytest.mark.parametrize("batches,order", [("sbhd_thd", "reverse"), ("rank_1_differs", "sum")])
+def test_gpt_context_parallel_recompute_backwards_out_of_order(batches, order):
+    """CP=2 with selective core_attn recomputation, backwards out of forward order: each
+    recomputation finds its own micro-batch's selection (no new selection) and the gradients
+    equal those without recomputation. With ``rank_1_differs`` rank 0's local index q/k are
+    the same in both micro-batches; only the CP-gathered part of the fingerprint tells them
+    apart (a local-only fingerprint took the wrong one: gradients off by 18%)."""
     skip_without_gpus(2)
-    ref = run_distributed(_reversed_backwards_worker, 2, args=(2, None), tp=1, cp=2)
-    rec = run_distributed(_reversed_backwards_worker, 2, args=(2, "selective"), tp=1, cp=2)
+    args = (2, None, batches, order)
+    ref = run_distributed(_reversed_backwards_worker, 2, args=args, tp=1, cp=2)
+    rec = run_distributed(_reversed_backwards_worker, 2, args=(2, "selective", batches, order),
+                          tp=1, cp=2)
     for rank, (r, g) in enumerate(zip(rec, ref)):
         assert r["forward_calls"] == 2 * Setup().layers and r["calls"] == r["forward_calls"]
         for name, grad in g["grads"].items():

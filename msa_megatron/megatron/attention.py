@@ -388,8 +388,7 @@ class MSACoreAttention(MegatronModule):
                           if cp_size == 1 else sbhd_cu_seqlens(batch, seq_len * cp_size, q.device))
         block_idx = None
         if self.mode == "sparse" and recomputing:
-            block_idx = self._selections.take(q_idx, k_idx, cu_seqlens, cu_real,
-                                              self.groups.cp if cp_size > 1 else None)
+            block_idx = self._selections.take(q_idx, k_idx, cu_seqlens, cu_real, self.groups.cp)
         # N of the KL normaliser: the real tokens of the micro-batch over all CP ranks.
         # (Meta tensors have no values: their KL, a meta tensor, does not depend on this.)
         tokens_global = (q.shape[0] * cp_size if cu_real is None or cu_real.is_meta
@@ -407,7 +406,7 @@ class MSACoreAttention(MegatronModule):
             self._observe_selection(q, k, q_idx, k_idx, cu_seqlens, cp_size, options)
         if first_of_checkpoint and result.block_idx is not None:
             self._selections.put(result.block_idx, q_idx, k_idx, cu_seqlens, cu_real,
-                                 self.groups.cp if cp_size > 1 else None)
+                                 self.groups.cp)
         if self.training and not recomputing:
             record_kl(self.layer_number, result.kl, self.tp_size * cp_size)
         return result.out, result.kl

@@ -165,9 +165,10 @@ def get_msa_metrics(reset: bool = True,
         CP exchanges, forward + backward), its parts ``"msa/cp_bytes_fwd/layer_NN"`` (index
         keys, K/V and selective mode's block ids; under activation recomputation the
         recomputed forward's exchange too, as it moves those bytes again) and
-        ``"msa/cp_bytes_bwd/layer_NN"`` (their gradients), and ``"msa/cp_bytes"``: the sum over layers; when a selection probe was
-        armed (:func:`msa_megatron.megatron.arm_selection_probe`), ``"msa/recall/layer_NN"``
-        (share of the dense teacher's attention mass inside the selected blocks, mean over the
+        ``"msa/cp_bytes_bwd/layer_NN"`` (their gradients), and ``"msa/cp_bytes"``: the sum
+        over layers; when a selection probe was armed
+        (:func:`msa_megatron.megatron.arm_selection_probe`), ``"msa/recall/layer_NN"`` (share
+        of the dense teacher's attention mass inside the selected blocks, mean over the
         sampled rows, index heads and ranks) and ``"msa/recall"``, their mean over layers, with
         their ceilings ``"msa/recall_best/layer_NN"`` and ``"msa/recall_best"`` (the share the
         best selection the rules allow would hold: how far the index is from it).

@@ -73,7 +73,7 @@ def fingerprint(q_idx: torch.Tensor, k_idx: torch.Tensor, cp_group=None) -> torc
         for start in range(0, flat.shape[0], step):
             acc += signs[start:start + step] @ flat[start:start + step].float()
         parts.append(acc)
-    if cp_group is not None and dist.get_world_size(cp_group) > 1:
+    if cp_group is not None and dist.get_world_size(cp_group) > 1:  # None or size 1: no CP
         keys = [torch.empty_like(parts[1]) for _ in range(dist.get_world_size(cp_group))]
         dist.all_gather(keys, parts[1], group=cp_group)
         parts[1:] = keys
@@ -155,10 +155,11 @@ class SelectionStore:
                 rows.append(torch.stack([torch.linalg.vector_norm(e.print_ - now),
                                          torch.linalg.vector_norm(e.print_),
                                          same.to(torch.float32)]))
-            best_dist = None
-            for i, (dist, norm, same) in zip(candidates, torch.stack(rows).tolist()):
-                if same and dist <= MATCH_RTOL * norm and (best is None or dist < best_dist):
-                    best, best_dist = i, dist
+            best_distance = None
+            for i, (distance, norm, same) in zip(candidates, torch.stack(rows).tolist()):
+                if same and distance <= MATCH_RTOL * norm and (
+                        best is None or distance < best_distance):
+                    best, best_distance = i, distance
         if best is None:
             self._warn_unmatched()
             return None

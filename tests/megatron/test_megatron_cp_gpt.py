@@ -70,6 +70,17 @@ def _build(setup: Setup, tp: int, cp: int):
     return model.to(selected_device()), msa
 
 
+def _sbhd_on_this_cp_rank(tokens: torch.Tensor, cp_group):
+    """This CP rank's share of an SBHD batch ``[BATCH, SEQ]`` (tokens, positions, no packing)."""
+    from msa_megatron.megatron.compat import get_batch_on_this_cp_rank
+
+    positions = torch.arange(SEQ).expand(BATCH, SEQ).contiguous()
+    local = get_batch_on_this_cp_rank({"tokens": tokens, "position_ids": positions},
+                                      cp_group=cp_group)
+    device = selected_device()
+    return local["tokens"].to(device), local["position_ids"].to(device), None
+
+
 def _cp_batch(step: int, fmt: str, cp_group):
     """This CP rank's share of the step's global batch (tokens = labels, positions, packing)."""
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -80,10 +91,7 @@ def _cp_batch(step: int, fmt: str, cp_group):
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
     cp_size, cp_rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
     if fmt == "sbhd":
-        positions = torch.arange(SEQ).expand(BATCH, SEQ).contiguous()
-        local = get_batch_on_this_cp_rank({"tokens": tokens, "position_ids": positions},
-                                          cp_group=cp_group)
-        return local["tokens"].to(device), local["position_ids"].to(device), None
+        return _sbhd_on_this_cp_rank(tokens, cp_group)
     cu = torch.tensor([0] + THD_LENGTHS, dtype=torch.int32).cumsum(0).to(torch.int32)
     real = torch.tensor([0] + REAL_LENGTHS, dtype=torch.int32).cumsum(0).to(torch.int32)
     positions = torch.cat([torch.arange(n) for n in THD_LENGTHS])
@@ -278,17 +286,11 @@ def _sbhd_differing_on_rank_1(micro: int, cp_group):
     """Micro-batch 1 is micro-batch 0 with only the tokens CP rank 1 holds (chunks 1 and 2 of
     4 in megatron's load-balanced split) changed: rank 0's own index q/k are identical in the
     first layer, but its selection reads rank 1's index keys."""
-    from msa_megatron.megatron.compat import get_batch_on_this_cp_rank
-
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(100))
     if micro == 1:
         tokens[:, SEQ // 4: 3 * SEQ // 4] = torch.randint(
             0, VOCAB, (BATCH, SEQ // 2), generator=torch.Generator().manual_seed(7))
-    positions = torch.arange(SEQ).expand(BATCH, SEQ).contiguous()
-    local = get_batch_on_this_cp_rank({"tokens": tokens, "position_ids": positions},
-                                      cp_group=cp_group)
-    device = selected_device()
-    return local["tokens"].to(device), local["position_ids"].to(device), None
+    return _sbhd_on_this_cp_rank(tokens, cp_group)
 
 
 def _reversed_backwards_worker(rank: int, world_size: int, cp: int, recompute, batches: str,

@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from msa_megatron.parallel.cp_layout import split_for_cp_rank
 from tests.dist_utils import run_distributed, selected_device
-from tests.support.gpt_harness import BATCH, LR, SEQ, VOCAB, Setup, full_grads, sum_qk_norm_grads
+from tests.support.gpt_harness import (BATCH, LR, SEQ, VOCAB, Setup, full_grads,
+                                       recompute_config, sum_qk_norm_grads)
 from tests.support.devices import skip_without_gpus
 from tests.support.spies import count_selections
 
@@ -47,9 +48,6 @@ def _build(setup: Setup, tp: int, cp: int):
     from msa_megatron import MSAConfig
     from msa_megatron.megatron import get_gpt_layer_msa_spec
 
-    recompute = {}
-    if setup.recompute == "selective":
-        recompute = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
     config = TransformerConfig(
         num_layers=setup.layers, hidden_size=setup.hidden, num_attention_heads=setup.heads,
         num_query_groups=setup.groups, kv_channels=setup.kv_channels,
@@ -57,7 +55,7 @@ def _build(setup: Setup, tp: int, cp: int):
         context_parallel_size=cp, cp_comm_type="p2p", use_cpu_initialization=True,
         params_dtype=torch.float32,
         attention_dropout=0.0, hidden_dropout=0.0, normalization="RMSNorm",
-        qk_layernorm=setup.qk_layernorm, **recompute,
+        qk_layernorm=setup.qk_layernorm, **recompute_config(setup.recompute),
     )
     model_parallel_cuda_manual_seed(setup.seed)
     torch.manual_seed(setup.seed)
@@ -324,9 +322,11 @@ def _reversed_backwards_worker(rank: int, world_size: int, cp: int, recompute, b
             "calls": counts["calls"]}
 
 
-@pytest.mark.parametrize("batches,order", [("sbhd_thd", "reverse"), ("rank_1_differs", "sum")])
-def test_gpt_context_parallel_recompute_backwards_out_of_order(batches, order):
-    """CP=2 with selective core_attn recomputation, backwards out of forward order: each
+@pytest.mark.parametrize("batches,order,recompute", [
+    ("sbhd_thd", "reverse", "selective"), ("rank_1_differs", "sum", "selective"),
+    ("rank_1_differs", "sum", "full")])
+def test_gpt_context_parallel_recompute_backwards_out_of_order(batches, order, recompute):
+    """CP=2 with selective (core_attn) or full recomputation, backwards out of forward order: each
     recomputation finds its own micro-batch's selection (no new selection) and the gradients
     equal those without recomputation. With ``rank_1_differs`` rank 0's local index q/k are
     the same in both micro-batches; only the CP-gathered part of the fingerprint tells them
@@ -334,7 +334,7 @@ def test_gpt_context_parallel_recompute_backwards_out_of_order(batches, order):
     skip_without_gpus(2)
     args = (2, None, batches, order)
     ref = run_distributed(_reversed_backwards_worker, 2, args=args, tp=1, cp=2)
-    rec = run_distributed(_reversed_backwards_worker, 2, args=(2, "selective", batches, order),
+    rec = run_distributed(_reversed_backwards_worker, 2, args=(2, recompute, batches, order),
                           tp=1, cp=2)
     for rank, (r, g) in enumerate(zip(rec, ref)):
         assert r["forward_calls"] == 2 * Setup().layers and r["calls"] == r["forward_calls"]

@@ -52,6 +52,19 @@ class Setup:
     seed: int = 1234
 
 
+def recompute_config(recompute: Optional[str]) -> dict:
+    """TransformerConfig keywords for ``Setup.recompute``: None, ``"selective"`` (core attention
+    only) or ``"full"`` (uniform, one layer per checkpoint). Raises ValueError for any other."""
+    if recompute is None:
+        return {}
+    if recompute == "selective":
+        return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    if recompute == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform",
+                    recompute_num_layers=1)
+    raise ValueError(f"recompute must be None, 'selective' or 'full', got {recompute!r}")
+
+
 def build_model(setup: Setup, tp: int):
     """GPTModel with the MSA spec; identical initial weights for every TP size."""
     from megatron.core.models.gpt import GPTModel
@@ -61,12 +74,6 @@ def build_model(setup: Setup, tp: int):
     from msa_megatron import MSAConfig
     from msa_megatron.megatron import get_gpt_layer_msa_spec
 
-    recompute = {}
-    if setup.recompute == "selective":
-        recompute = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
-    elif setup.recompute == "full":
-        recompute = dict(recompute_granularity="full", recompute_method="uniform",
-                         recompute_num_layers=1)
     config = TransformerConfig(
         num_layers=setup.layers, hidden_size=setup.hidden, num_attention_heads=setup.heads,
         num_query_groups=setup.groups, kv_channels=setup.kv_channels,
@@ -74,7 +81,7 @@ def build_model(setup: Setup, tp: int):
         use_cpu_initialization=True, params_dtype=torch.float32, attention_dropout=0.0,
         hidden_dropout=0.0, normalization="RMSNorm", qk_layernorm=setup.qk_layernorm,
         sequence_parallel=setup.sequence_parallel,
-        **recompute,
+        **recompute_config(setup.recompute),
     )
     model_parallel_cuda_manual_seed(setup.seed)
     torch.manual_seed(setup.seed)

@@ -1730,6 +1730,13 @@ def check_settings(args: argparse.Namespace, world_size: int) -> List[str]:
                         ("--ffn-hidden", args.ffn_hidden), ("--rotary-base", args.rotary_base)):
         if value < 1:
             errors.append(f"{flag} {value} must be >= 1")
+    if tp > 1:  # megatron-core's column-parallel linears split these output sizes over TP
+        if args.ffn_hidden >= 1 and args.ffn_hidden % tp:
+            errors.append(f"--ffn-hidden {args.ffn_hidden} must be a multiple of --tp {tp} (the "
+                          "MLP's first linear is split over TP)")
+        if args.vocab_size % tp:
+            errors.append(f"--tp {tp}: the vocabulary of {args.vocab_size} rows (--task "
+                          f"{args.task}) is split over TP, so TP must divide it")
     for flag, value in (("--lr", args.lr), ("--clip-grad", args.clip_grad)):
         if not (math.isfinite(value) and value > 0):  # a negative clip would flip the gradient
             errors.append(f"{flag} {value} must be a finite number > 0")

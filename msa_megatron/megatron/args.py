@@ -77,7 +77,7 @@ def add_msa_arguments(parser: argparse.ArgumentParser, *, prefix: str = "msa",
                            help=f"MSA: {text}")
     if warmup:
         group.add_argument(_flag(prefix, WARMUP_FIELD), dest=_dest(prefix, WARMUP_FIELD),
-                           type=int, default=0,
+                           type=_steps, default=0,
                            help="MSA: dense-attention steps before switching to sparse "
                                 "(iterations, counted from the start of training)")
     return parser
@@ -94,12 +94,17 @@ def msa_config_from_args(args: argparse.Namespace, *, prefix: str = "msa",
         mode: ``"sparse"`` / ``"dense"``; None: dense when ``<prefix>_warmup_steps > 0``.
 
     Raises:
-        ValueError / TypeError: invalid values (MSAConfig's checks).
+        ValueError / TypeError: invalid values (MSAConfig's checks); a negative
+            ``<prefix>_warmup_steps``.
     """
     fields = {field: getattr(args, _dest(prefix, field)) for field in MSA_FLAG_FIELDS
               if getattr(args, _dest(prefix, field), None) is not None}
+    warmup = getattr(args, _dest(prefix, WARMUP_FIELD), 0) or 0
+    if warmup < 0:
+        raise ValueError(f"{_flag(prefix, WARMUP_FIELD)} {warmup} must be >= 0 (dense steps "
+                         "before sparse; 0: sparse from the start)")
     if mode is None:
-        mode = "dense" if (getattr(args, _dest(prefix, WARMUP_FIELD), 0) or 0) > 0 else "sparse"
+        mode = "dense" if warmup > 0 else "sparse"
     return MSAConfig(mode=mode, **fields)
 
 
@@ -117,6 +122,14 @@ def msa_config_from_mapping(fields: Mapping[str, Any], source: str = "the mappin
     if unknown:
         raise ValueError(f"{source} has unknown MSAConfig fields {unknown}")
     return MSAConfig(**dict(fields))
+
+
+def _steps(text: str) -> int:
+    """argparse type of ``--<prefix>-warmup-steps``: an integer >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0 (dense steps before sparse)")
+    return value
 
 
 def _flag(prefix: str, field: str) -> str:

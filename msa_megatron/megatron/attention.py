@@ -110,7 +110,8 @@ class MSASelfAttention(SelfAttention):
             and 0.19's ``pp_layer_offset`` / ``name``).
 
     Raises:
-        ValueError: non-causal mask type, head counts MSA cannot split over TP.
+        ValueError: non-causal mask type, head counts MSA cannot split over TP,
+            ``attention_output_gate`` with TP > ``num_query_groups``, ``fused_single_qkv_rope``.
     """
 
     def __init__(self, config: TransformerConfig, submodules: MSASelfAttentionSubmodules,
@@ -127,6 +128,14 @@ class MSASelfAttention(SelfAttention):
             )
         self.msa_config = msa_config or MSAConfig()
         tp_group = self.pg_collection.tp
+        if (config.num_query_groups < group_size(tp_group)
+                and getattr(config, "attention_output_gate", False)):
+            raise ValueError(
+                f"attention_output_gate=True with TP {group_size(tp_group)} > num_query_groups "
+                f"{config.num_query_groups}: MSA's split of a query group over TP ranks does "
+                "not support the output gate; use TP <= num_query_groups or no gate")
+        if getattr(config, "fused_single_qkv_rope", False):
+            raise ValueError("MSA attention does not support fused_single_qkv_rope=True")
         self.head_layout = build_head_layout(config, self.msa_config, group_size(tp_group),
                                              group_rank(tp_group))
         layout = self.head_layout
@@ -403,7 +412,7 @@ class MSACoreAttention(MegatronModule):
             kl_scale=1.0 / (max(tokens_global, 1) * self.layout.num_index_heads),
         )
         if self.probe is not None and not recomputing:  # after msa_layer checked the inputs
-            self._observe_selection(q, k, q_idx, k_idx, cu_seqlens, cp_size, options)
+            self._observe_selection(q, k, q_idx, k_idx, cu_seqlens, cu_real, cp_size, options)
         if first_of_checkpoint and result.block_idx is not None:
             self._selections.put(result.block_idx, q_idx, k_idx, cu_seqlens, cu_real,
                                  self.groups.cp)
@@ -411,7 +420,7 @@ class MSACoreAttention(MegatronModule):
             record_kl(self.layer_number, result.kl, self.tp_size * cp_size)
         return result.out, result.kl
 
-    def _observe_selection(self, q, k, q_idx, k_idx, cu_seqlens, cp_size,
+    def _observe_selection(self, q, k, q_idx, k_idx, cu_seqlens, cu_real, cp_size,
                            options: MSAOptions) -> None:
         """Hand this forward's inputs to the armed selection probe, once, then disarm."""
         probe, self.probe = self.probe, None
@@ -420,7 +429,7 @@ class MSACoreAttention(MegatronModule):
                       init_blocks=options.init_blocks, local_blocks=options.local_blocks,
                       softmax_scale=options.softmax_scale, index_scale=options.index_scale,
                       backend=options.backend, cp_group=self.groups.cp if cp_size > 1 else None,
-                      share_group=self.groups.tp_share)
+                      share_group=self.groups.tp_share, cu_seqlens_real=cu_real)
 
 
 def _sbhd_to_thd(t: torch.Tensor) -> torch.Tensor:

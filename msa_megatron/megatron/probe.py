@@ -20,6 +20,8 @@ Cost: one selection for the sampled rows plus one dense score row per sampled ro
 head: about ``2 * rows * Hq * D * S`` FLOPs per layer (256 rows, 64 heads, D 128 at 64K:
 0.27 TFLOP, under a millisecond on an H200).
 
+Padded THD: the sample holds real tokens only (padding rows are out of the KL too).
+
 Context parallelism: each CP rank measures rows of its own (the sample is drawn among its local
 rows); the prefixes of those rows span ranks, so the rank gathers the main and index keys of
 the whole micro-batch over the CP group (two all-gathers, gradient stopped; in megatron-core's
@@ -37,7 +39,7 @@ from typing import Dict, Iterable, Optional, Union
 import torch
 
 from ..diagnostics import SelectionSample, sample_rows, selection_recall
-from ..layout import query_layout
+from ..layout import query_layout, real_token_rows
 from ..parallel.comm import all_gather_first_dim, group_rank, group_size
 from ..parallel.cp_layout import build_cp_layout
 from .metrics import record_recall
@@ -78,7 +80,8 @@ class SelectionProbe:
                 k_idx: torch.Tensor, cu_seqlens: Optional[torch.Tensor], *, block_size: int,
                 top_k: int, init_blocks: int, local_blocks: int,
                 softmax_scale: Optional[float], index_scale: Optional[float],
-                backend: Optional[str], cp_group=None, share_group=None) -> SelectionSample:
+                backend: Optional[str], cp_group=None, share_group=None,
+                cu_seqlens_real: Optional[torch.Tensor] = None) -> SelectionSample:
         """Measure one layer and record it.
 
         Args:
@@ -91,6 +94,9 @@ class SelectionProbe:
             share_group: the TP ranks sharing this rank's one index head (TP > Hkv), each with
                 some of its query heads: the sampled rows' q are all-gathered over it, so the
                 teacher is the mean over all of the index head's query heads.
+            cu_seqlens_real: the real boundaries of padded THD (global under CP), or None:
+                a sample drawn here (``rows`` None) then holds real tokens only, as the KL does
+                (a rank whose rows are all padding records nothing); given ``rows`` are kept.
 
         Returns:
             The :class:`~msa_megatron.diagnostics.SelectionSample` (rows are local rows).
@@ -98,9 +104,9 @@ class SelectionProbe:
         Raises:
             ValueError: CP without ``cu_seqlens``; bad rows (see ``selection_recall``).
         """
-        rows = self.rows_for(q.shape[0], q.device)
         positions = None
         k, k_idx = k.detach(), k_idx.detach()
+        padded = cu_seqlens
         if group_size(cp_group) > 1:
             if cu_seqlens is None:
                 raise ValueError("the selection probe under context parallelism needs the "
@@ -112,6 +118,7 @@ class SelectionProbe:
                 k_idx = all_gather_first_dim(k_idx, cp_group)[layout.gathered_to_global]
             positions = (layout.q_pos, layout.q_kbase)
             cu_seqlens = None
+        rows = self._rows(q.shape[0], q.device, padded, cu_seqlens_real, positions)
         q, q_idx = q.detach(), q_idx.detach()
         if group_size(share_group) > 1:
             if positions is None:
@@ -134,6 +141,21 @@ class SelectionProbe:
         self.samples[layer_number] = sample
         record_recall(layer_number, sample.recall, sample.best_recall)
         return sample
+
+
+    def _rows(self, num_tokens: int, device: torch.device, cu_seqlens: Optional[torch.Tensor],
+              cu_seqlens_real: Optional[torch.Tensor], positions) -> torch.Tensor:
+        """The local rows to measure: the given ones, else a sample of the real tokens."""
+        real = None
+        if self.rows is None and cu_seqlens_real is not None and cu_seqlens is not None:
+            q_pos, q_kbase = positions or query_layout(cu_seqlens, num_tokens, device)
+            real = real_token_rows(cu_seqlens, cu_seqlens_real, q_pos, q_kbase)
+        if real is None:
+            return self.rows_for(num_tokens, device)
+        if real.numel() == 0:
+            return real
+        generator = torch.Generator().manual_seed(self.seed)
+        return real[sample_rows(real.numel(), self.num_rows, generator, device)]
 
 
 def arm_selection_probe(model: Union[torch.nn.Module, Iterable[torch.nn.Module]],

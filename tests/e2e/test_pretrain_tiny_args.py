@@ -69,6 +69,10 @@ def test_default_and_quick_settings_are_valid(tiny):
     (["--resume-warmup", ".", "--load-warmup", "."], 1, "exclude each other"),
     (["--quick", "--index-heads", "3"], 1, "index heads (--index-heads 3"),
     (["--quick", "--backend", "triton"], 1, "set TRITON_INTERPRET=1"),
+    # adversarial check 2026-12-07 s23: both passed --check-only, then megatron-core asserted
+    (["--tp", "2", "--ffn-hidden", "33"], 2, "--ffn-hidden 33 must be a multiple of --tp 2"),
+    (["--tp", "3", "--heads", "3", "--query-groups", "3", "--hidden", "48", "--ffn-hidden", "96",
+      "--index-head-dim", "16"], 3, "the vocabulary of 256 rows (--task text) is split over TP"),
 ])
 def test_bad_layouts_and_sizes_are_named(tiny, argv, world, needle, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

@@ -97,3 +97,13 @@ def test_flags_join_an_existing_group_of_the_same_title():
     add_msa_arguments(parser)
     assert [g.title for g in parser._action_groups].count(GROUP_TITLE) == 1
     assert "--msa-top-k" in {s for a in group._group_actions for s in a.option_strings}
+
+
+def test_negative_warmup_steps_are_refused_at_parse_time(capsys):
+    """A negative ``--msa-warmup-steps`` used to parse into a sparse config and fail only at
+    the patched loop's first iteration (adversarial check 2026-12-07 s23)."""
+    with pytest.raises(SystemExit):
+        _parse(["--msa-warmup-steps", "-3"])
+    assert "--msa-warmup-steps: -3 must be >= 0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"--msa-warmup-steps -1 must be >= 0"):
+        msa_config_from_args(argparse.Namespace(msa_warmup_steps=-1))

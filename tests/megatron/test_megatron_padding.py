@@ -1,4 +1,5 @@
-"""Padded THD without context parallelism: padding tokens are not part of the index-branch KL.
+"""Padded THD without context parallelism: padding tokens are not part of the index-branch KL
+(nor of the selection probe's recall).
 
 megatron-core pads each packed sequence at its end (``cu_seqlens_q_padded`` next to the real
 ``cu_seqlens_q``). The MSA layer then computes the KL over real tokens only and normalises it by
@@ -34,9 +35,10 @@ def _real_rows() -> torch.Tensor:
 
 
 def _run(model, tokens: torch.Tensor, packed) -> dict:
-    from msa_megatron.megatron import get_msa_metrics
+    from msa_megatron.megatron import arm_selection_probe, get_msa_metrics
 
     device = selected_device()
+    arm_selection_probe(model, num_rows=10_000)  # every row: the recall of all real tokens
     positions = torch.cat([torch.arange(n) for n in torch.diff(
         packed.cu_seqlens_q_padded if packed.cu_seqlens_q_padded is not None
         else packed.cu_seqlens_q).tolist()])
@@ -76,6 +78,7 @@ def test_padding_tokens_do_not_count_in_the_kl(tp, groups):
         padded, unpadded = result["padded"], result["unpadded"]
         torch.testing.assert_close(padded["losses"][_real_rows()], unpadded["losses"], **TOL)
         assert padded["kl"].keys() == unpadded["kl"].keys() and unpadded["kl"]["msa/kl"] > 0
+        assert 0 < unpadded["kl"]["msa/recall"] < 1  # padding rows are out of the recall too
         for key, value in unpadded["kl"].items():
             torch.testing.assert_close(torch.tensor(padded["kl"][key]), torch.tensor(value),
                                        **TOL, msg=key)

@@ -58,3 +58,57 @@ def test_probe_under_cp_matches_cp1():
         # equal row counts per rank: the mean over ranks is the CP=1 mean
         assert result["metrics"]["msa/recall"] == pytest.approx(one["metrics"]["msa/recall"],
                                                                 rel=1e-5)
+
+
+PADDED = [64, 32, 96]  # the padded lengths (divisible by 2 * CP) ...
+REAL = [50, 0, 81]  # ... and the real ones: padding rows at each sequence's end, one all padding
+
+
+def _padded_probe_worker(rank: int, world_size: int) -> dict:
+    from msa_megatron.megatron import SelectionProbe, get_msa_metrics
+
+    device = selected_device()
+    _, q, k, q_idx, k_idx = (t.to(device) for t in _inputs())
+    cu = torch.tensor([0] + PADDED, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+    cu_real = torch.tensor([0] + REAL, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+    group = dist.group.WORLD if world_size > 1 else None
+    if world_size > 1:
+        q, k, q_idx, k_idx = (split_for_cp_rank(t, cu, world_size, rank)
+                              for t in (q, k, q_idx, k_idx))
+    global_rows = build_cp_layout(cu, world_size, rank, 16, q.device).local_rows
+    sample = SelectionProbe(num_rows=10_000).observe(
+        1, q, k, q_idx, k_idx, cu, cp_group=group, cu_seqlens_real=cu_real, **OPTIONS)
+    return {"rows": global_rows[sample.rows.cpu()], "recall": sample.recall,
+            "metrics": get_msa_metrics(reset=True)}
+
+
+def _real_rows() -> torch.Tensor:
+    return torch.cat([torch.arange(start, start + real) for start, real
+                      in zip(torch.tensor([0] + PADDED).cumsum(0).tolist(), REAL)])
+
+
+def test_probe_samples_real_tokens_of_padded_thd():
+    """Padded THD: the probe's own sample holds only real tokens (padding rows are out of the
+    KL, so they are out of the recall too; they used to count), under CP 1 and 2, and each
+    rank's recall of a row is the CP=1 one (adversarial check 2026-12-07 s23)."""
+    one = run_distributed(_padded_probe_worker, 1)[0]
+    assert torch.equal(one["rows"], _real_rows())
+    two = run_distributed(_padded_probe_worker, 2)
+    assert torch.equal(torch.cat([r["rows"] for r in two]).sort().values, _real_rows())
+    by_row = dict(zip(one["rows"].tolist(), one["recall"]))
+    for result in two:
+        for row, recall in zip(result["rows"].tolist(), result["recall"]):
+            torch.testing.assert_close(recall, by_row[row], rtol=1e-5, atol=1e-6)
+        assert 0.0 < result["metrics"]["msa/recall"] <= 1.0 + 1e-6
+
+
+def test_probe_of_a_rank_with_only_padding_records_nothing():
+    from msa_megatron.megatron import SelectionProbe, get_msa_metrics
+
+    _, q, k, q_idx, k_idx = _inputs()
+    cu = torch.tensor([0, 64], dtype=torch.int32)
+    sample = SelectionProbe().observe(1, q[:64], k[:64], q_idx[:64], k_idx[:64], cu,
+                                      cu_seqlens_real=torch.tensor([0, 0], dtype=torch.int32),
+                                      **OPTIONS)
+    assert sample.rows.numel() == 0 and sample.recall.numel() == 0
+    assert "msa/recall" not in get_msa_metrics(reset=True)

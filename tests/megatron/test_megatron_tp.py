@@ -71,6 +71,31 @@ def test_tp_above_groups_with_one_index_head_per_rank():
     assert _selected_rows(records) == _selected_rows([reference])
 
 
+def _build_error_worker(rank: int, world_size: int, setup: Setup) -> str:
+    """The message of the error the model build raises on this rank ("" when none)."""
+    from tests.support.gpt_harness import build_model
+
+    try:
+        build_model(setup, world_size)
+    except (ValueError, TypeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+@pytest.mark.parametrize("extra,tp,needle", [
+    (dict(attention_output_gate=True), 2,
+     "attention_output_gate=True with TP 2 > num_query_groups 1"),
+    (dict(fused_single_qkv_rope=True), 1, "fused_single_qkv_rope"),
+])
+def test_unsupported_attention_options_are_refused_at_build(extra, tp, needle):
+    """Options the MSA layer cannot run are refused when the model is built, not at its first
+    forward (adversarial check 2026-12-07 s23: the output gate under TP > groups was refused
+    only inside forward)."""
+    setup = Setup(groups=1, config_extra=extra)
+    messages = run_distributed(_build_error_worker, tp, args=(setup,), tp=tp)
+    assert all(m.startswith("ValueError") and needle in m for m in messages), messages
+
+
 def _norm_supports_sequence_parallel() -> bool:
     import importlib.util
 

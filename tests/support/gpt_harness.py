@@ -50,6 +50,7 @@ class Setup:
     use_te: Optional[bool] = None  # None: Transformer Engine layers when TE imports
     kl_coeff: float = 1.0
     seed: int = 1234
+    config_extra: Dict[str, object] = field(default_factory=dict)  # more TransformerConfig fields
 
 
 def recompute_config(recompute: Optional[str]) -> dict:
@@ -81,7 +82,7 @@ def build_model(setup: Setup, tp: int):
         use_cpu_initialization=True, params_dtype=torch.float32, attention_dropout=0.0,
         hidden_dropout=0.0, normalization="RMSNorm", qk_layernorm=setup.qk_layernorm,
         sequence_parallel=setup.sequence_parallel,
-        **recompute_config(setup.recompute),
+        **recompute_config(setup.recompute), **setup.config_extra,
     )
     model_parallel_cuda_manual_seed(setup.seed)
     torch.manual_seed(setup.seed)

@@ -142,7 +142,6 @@ class SelectionProbe:
         record_recall(layer_number, sample.recall, sample.best_recall)
         return sample
 
-
     def _rows(self, num_tokens: int, device: torch.device, cu_seqlens: Optional[torch.Tensor],
               cu_seqlens_real: Optional[torch.Tensor], positions) -> torch.Tensor:
         """The local rows to measure: the given ones, else a sample of the real tokens."""
@@ -152,10 +151,7 @@ class SelectionProbe:
             real = real_token_rows(cu_seqlens, cu_seqlens_real, q_pos, q_kbase)
         if real is None:
             return self.rows_for(num_tokens, device)
-        if real.numel() == 0:
-            return real
-        generator = torch.Generator().manual_seed(self.seed)
-        return real[sample_rows(real.numel(), self.num_rows, generator, device)]
+        return real[self.rows_for(real.numel(), device)] if real.numel() else real
 
 
 def arm_selection_probe(model: Union[torch.nn.Module, Iterable[torch.nn.Module]],

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_distributed, selected_device
+from tests.support.inputs import make_cu_seqlens, padded_real_rows
 from tests.support.gpt_harness import (VOCAB, Setup, build_model, full_grads, sum_qk_norm_grads,
                                       tolerance)
 
@@ -25,13 +26,8 @@ REAL_LENGTHS = [37, 5, 80, 0, 50]  # one block-aligned, one shorter than a block
 TOL = tolerance(rtol=1e-5, atol=1e-7)
 
 
-def _cu(lengths) -> torch.Tensor:
-    return torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
-
-
 def _real_rows() -> torch.Tensor:
-    starts = _cu(PADDED_LENGTHS).tolist()
-    return torch.cat([torch.arange(s, s + n) for s, n in zip(starts, REAL_LENGTHS)])
+    return padded_real_rows(PADDED_LENGTHS, REAL_LENGTHS)
 
 
 def _run(model, tokens: torch.Tensor, packed) -> dict:
@@ -62,7 +58,8 @@ def _worker(rank: int, world_size: int, groups: int) -> dict:
     get_msa_metrics(reset=True)
     tokens = torch.randint(0, VOCAB, (sum(PADDED_LENGTHS),),
                            generator=torch.Generator().manual_seed(3))
-    padded_cu, real_cu = _cu(PADDED_LENGTHS).to(device), _cu(REAL_LENGTHS).to(device)
+    padded_cu = make_cu_seqlens(PADDED_LENGTHS, device)
+    real_cu = make_cu_seqlens(REAL_LENGTHS, device)
     padded = PackedSeqParams(qkv_format="thd", cu_seqlens_q=real_cu, cu_seqlens_kv=real_cu,
                              cu_seqlens_q_padded=padded_cu, cu_seqlens_kv_padded=padded_cu,
                              max_seqlen_q=max(PADDED_LENGTHS), max_seqlen_kv=max(PADDED_LENGTHS))

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from msa_megatron.parallel.cp_layout import build_cp_layout, split_for_cp_rank
 from tests.dist_utils import run_distributed, selected_device
+from tests.support.inputs import make_cu_seqlens, padded_real_rows
 
 pytestmark = pytest.mark.slow
 
@@ -69,8 +70,7 @@ def _padded_probe_worker(rank: int, world_size: int) -> dict:
 
     device = selected_device()
     _, q, k, q_idx, k_idx = (t.to(device) for t in _inputs())
-    cu = torch.tensor([0] + PADDED, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
-    cu_real = torch.tensor([0] + REAL, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+    cu, cu_real = make_cu_seqlens(PADDED, device), make_cu_seqlens(REAL, device)
     group = dist.group.WORLD if world_size > 1 else None
     if world_size > 1:
         q, k, q_idx, k_idx = (split_for_cp_rank(t, cu, world_size, rank)
@@ -82,19 +82,15 @@ def _padded_probe_worker(rank: int, world_size: int) -> dict:
             "metrics": get_msa_metrics(reset=True)}
 
 
-def _real_rows() -> torch.Tensor:
-    return torch.cat([torch.arange(start, start + real) for start, real
-                      in zip(torch.tensor([0] + PADDED).cumsum(0).tolist(), REAL)])
-
-
 def test_probe_samples_real_tokens_of_padded_thd():
     """Padded THD: the probe's own sample holds only real tokens (padding rows are out of the
     KL, so they are out of the recall too; they used to count), under CP 1 and 2, and each
     rank's recall of a row is the CP=1 one (adversarial check 2026-12-07 s23)."""
+    real = padded_real_rows(PADDED, REAL)
     one = run_distributed(_padded_probe_worker, 1)[0]
-    assert torch.equal(one["rows"], _real_rows())
+    assert torch.equal(one["rows"], real)
     two = run_distributed(_padded_probe_worker, 2)
-    assert torch.equal(torch.cat([r["rows"] for r in two]).sort().values, _real_rows())
+    assert torch.equal(torch.cat([r["rows"] for r in two]).sort().values, real)
     by_row = dict(zip(one["rows"].tolist(), one["recall"]))
     for result in two:
         for row, recall in zip(result["rows"].tolist(), result["recall"]):

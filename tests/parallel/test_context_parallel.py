@@ -26,6 +26,7 @@ from msa_megatron.parallel.cp_layout import (
 from msa_megatron.parallel.groups import ParallelGroups
 from tests.dist_utils import run_distributed, selected_device
 from tests.support.devices import skip_without_gpus
+from tests.support.inputs import padded_real_rows
 
 REFERENCE_BACKEND = "reference"  # the single-process side always runs the oracle
 DTYPE = torch.float64
@@ -70,8 +71,7 @@ def _kl_tokens(case):
 
 def _real_rows():
     """Global rows of the real tokens of the padded THD batch."""
-    starts = _cu(THD_LENGTHS).tolist()
-    return torch.cat([torch.arange(s, s + n) for s, n in zip(starts, REAL_LENGTHS)])
+    return padded_real_rows(THD_LENGTHS, REAL_LENGTHS)
 
 
 def _global_inputs(case, h):

@@ -50,6 +50,13 @@ def make_cu_seqlens(lengths: Sequence[int], device: str | torch.device = "cpu") 
     return torch.tensor(starts, dtype=torch.int32, device=device)
 
 
+def padded_real_rows(padded_lengths: Sequence[int], real_lengths: Sequence[int]) -> torch.Tensor:
+    """``[R]`` int64 rows of the real tokens of packed sequences padded at their ends (sequence
+    ``s`` takes ``padded_lengths[s]`` rows, its first ``real_lengths[s]`` real)."""
+    starts = make_cu_seqlens(padded_lengths).tolist()
+    return torch.cat([torch.arange(s, s + int(n)) for s, n in zip(starts, real_lengths)])
+
+
 def make_inputs(
     lengths: Sequence[int],
     *,

@@ -118,12 +118,14 @@ class SelectionProbe:
                 k_idx = all_gather_first_dim(k_idx, cp_group)[layout.gathered_to_global]
             positions = (layout.q_pos, layout.q_kbase)
             cu_seqlens = None
+        elif group_size(share_group) > 1 or (self.rows is None and cu_seqlens_real is not None):
+            # the sample of real rows and the shared head's gathered rows need the layout:
+            # built once here, and selection_recall reads it instead of building its own
+            positions = query_layout(cu_seqlens, q.shape[0], q.device)
+            cu_seqlens = None
         rows = self._rows(q.shape[0], q.device, padded, cu_seqlens_real, positions)
         q, q_idx = q.detach(), q_idx.detach()
         if group_size(share_group) > 1:
-            if positions is None:
-                positions = query_layout(cu_seqlens, q.shape[0], q.device)
-                cu_seqlens = None
             positions = tuple(t[rows] for t in positions)
             with torch.no_grad():  # [R, h, D] of every sharing rank -> [R, share * h, D]
                 heads = all_gather_first_dim(q[rows].transpose(0, 1).contiguous(), share_group)
@@ -147,7 +149,7 @@ class SelectionProbe:
         """The local rows to measure: the given ones, else a sample of the real tokens."""
         real = None
         if self.rows is None and cu_seqlens_real is not None and cu_seqlens is not None:
-            q_pos, q_kbase = positions or query_layout(cu_seqlens, num_tokens, device)
+            q_pos, q_kbase = positions  # observe built them (no CP) or took the CP layout's
             real = real_token_rows(cu_seqlens, cu_seqlens_real, q_pos, q_kbase)
         if real is None:
             return self.rows_for(num_tokens, device)

@@ -113,7 +113,7 @@ def msa_config_from_mapping(fields: Mapping[str, Any], source: str = "the mappin
 
     Raises:
         ValueError: ``fields`` is not a mapping or names unknown fields; MSAConfig's own
-            ValueError / TypeError for invalid values.
+            ValueError / TypeError for invalid values, its message prefixed with ``source``.
     """
     if not isinstance(fields, Mapping):
         raise ValueError(f"{source} must be a JSON object of MSAConfig fields, got {fields!r}")
@@ -121,7 +121,10 @@ def msa_config_from_mapping(fields: Mapping[str, Any], source: str = "the mappin
     unknown = sorted(set(fields) - known)
     if unknown:
         raise ValueError(f"{source} has unknown MSAConfig fields {unknown}")
-    return MSAConfig(**dict(fields))
+    try:
+        return MSAConfig(**dict(fields))
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"{source}: {error}") from error
 
 
 def _steps(text: str) -> int:

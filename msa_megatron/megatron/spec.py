@@ -14,7 +14,9 @@ matching ``config.qk_layernorm`` / ``config.transformer_impl``); its layer class
 :class:`ConfigMatchedMSALayer`, builds its submodules from its own config, so the flags are
 honoured either way (0.19.2's builder passes a ``ModuleSpec`` on uncalled). Its MSA options come from the
 environment variable ``MSA_CONFIG``: a JSON object of :class:`msa_megatron.MSAConfig` fields,
-e.g. ``MSA_CONFIG='{"top_k": 16, "block_size": 128, "kl_coeff": 1.0, "mode": "dense"}'``.
+e.g. ``MSA_CONFIG='{"top_k": 16, "block_size": 128, "kl_coeff": 1.0, "mode": "dense"}'``,
+read where the layers are built; an invalid one raises there (a ValueError / TypeError naming
+``$MSA_CONFIG``), not at import.
 """
 
 from __future__ import annotations
@@ -182,7 +184,14 @@ class MSALayerSpec(ModuleSpec):
 
 
 def _default_layer_spec() -> MSALayerSpec:
-    spec = get_gpt_layer_msa_spec(msa_config_from_env())
+    # $MSA_CONFIG is read again where the layers are built (spec_for_config), and an invalid
+    # one is refused there: at import it must not break `import msa_megatron.megatron` for
+    # routes that never read it (pretrain_tiny, the patched entry point).
+    try:
+        msa_config = msa_config_from_env()
+    except (TypeError, ValueError):
+        msa_config = MSAConfig()
+    spec = get_gpt_layer_msa_spec(msa_config)
     return MSALayerSpec(module=ConfigMatchedMSALayer, params=spec.params,
                         submodules=spec.submodules)
 

@@ -4,6 +4,9 @@ no process group)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -88,11 +91,28 @@ def test_spec_object_for_megatron_lm(monkeypatch):
 
 
 @pytest.mark.parametrize("text, error", [("{bad", "not valid JSON"), ("[1]", "JSON object"),
-                                         ('{"topk": 3}', "unknown MSAConfig fields")])
+                                         ('{"topk": 3}', "unknown MSAConfig fields"),
+                                         ('{"top_k": 0}', r"^\$MSA_CONFIG: top_k")])
 def test_msa_config_env_errors(monkeypatch, text, error):
     monkeypatch.setenv(spec_module.MSA_CONFIG_ENV, text)
     with pytest.raises(ValueError, match=error):
         spec_module.msa_config_from_env()
+    with pytest.raises(ValueError, match=error):  # where the --spec object's layers are built
+        spec_module.spec_for_config(_config())
+
+
+def test_invalid_msa_config_env_does_not_break_the_import():
+    """Routes that never read ``$MSA_CONFIG`` (pretrain_tiny, the patched entry point) import
+    msa_megatron.megatron; a bad value is refused where the --spec layers are built."""
+    env = dict(os.environ, MSA_CONFIG='{"top_k": 0}')
+    code = ("import msa_megatron.megatron as m, msa_megatron.megatron.spec as s\n"
+            "try:\n    s.spec_for_config(s.TransformerConfig(num_layers=1, hidden_size=8, "
+            "num_attention_heads=2, use_cpu_initialization=True))\n"
+            "except ValueError as e:\n    print('refused:', e)\n")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "refused: $MSA_CONFIG: top_k" in done.stdout
 
 
 @pytest.mark.parametrize("heads, groups, index_heads, tp, expected", [

@@ -10,7 +10,9 @@
 # --help and --check-only install nothing and start no torchrun. They use the first of
 # $VENV/bin/python and $PYTHON (default python3) that imports torch and megatron-core; without
 # one, --help prints only this text and --check-only checks only TP, CP, NPROC and DEVICE (and
-# says so). Flags other than these two go to pretrain_tiny.py, never to torchrun.
+# says so); a PYTHON that is set but cannot import both is an error. A run always uses $VENV
+# (PYTHON is for these two only). Flags other than these two go to pretrain_tiny.py, never to
+# torchrun.
 #
 # Environment: VENV (default .venv-example), TORCH_SPEC (default torch==2.13.0; installed first
 # so that the package install keeps it. On Linux x86_64, PyPI's torch wheel is the CUDA build
@@ -38,6 +40,14 @@ for arg in "$@"; do
         *) ARGS+=("$arg") ;;
     esac
 done
+
+# A PYTHON the user names must work: with a typo, --check-only would skip the script's flags.
+if [ "$MODE" != run ] && [ -n "${PYTHON:-}" ] && ! { command -v "$PYTHON" >/dev/null 2>&1 \
+        && "$PYTHON" -c 'import torch, megatron.core' >/dev/null 2>&1; }; then
+    echo "$SELF: PYTHON=$PYTHON cannot import torch and megatron-core (is it the path of a" \
+         "Python with both installed?)" >&2
+    exit 2
+fi
 
 # An interpreter that can run pretrain_tiny.py without installing anything (empty: none).
 ready_python() {

@@ -74,12 +74,15 @@ def add_msa_arguments(parser: argparse.ArgumentParser, *, prefix: str = "msa",
         kind, choices, text = MSA_FLAG_FIELDS[field]
         group.add_argument(_flag(prefix, field), dest=_dest(prefix, field), type=kind,
                            choices=choices, default=getattr(defaults, field),
-                           help=f"MSA: {text}")
+                           help=f"MSA: {text}"
+                                + ("" if getattr(defaults, field) is None else
+                                   " (default: %(default)s)"))
     if warmup:
         group.add_argument(_flag(prefix, WARMUP_FIELD), dest=_dest(prefix, WARMUP_FIELD),
                            type=_steps, default=0,
                            help="MSA: dense-attention steps before switching to sparse "
-                                "(iterations, counted from the start of training)")
+                                "(iterations, counted from the start of training; "
+                                "default: %(default)s)")
     return parser
 
 

@@ -220,6 +220,16 @@ def test_run_tiny_rejects_a_bad_environment_before_installing():
     assert not Path("/nonexistent/venv-never-created").exists()
 
 
+@pytest.mark.parametrize("mode", ["--check-only", "--help"])
+def test_run_tiny_refuses_a_python_that_cannot_run_the_script(mode):
+    """A mistyped PYTHON would otherwise skip the check of pretrain_tiny.py's flags."""
+    env = dict(os.environ, PYTHON="/nonexistent/python3", VENV="/nonexistent/venv")
+    proc = subprocess.run(["bash", str(RUN_TINY), mode, "--heads", "3"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=GUARD_S)
+    assert proc.returncode == 2, (proc.stdout[-1000:], proc.stderr[-1000:])
+    assert "PYTHON=/nonexistent/python3 cannot import torch and megatron-core" in proc.stderr
+
+
 # --- chained warm-up: the saved files are checked before any process group starts -------------
 
 _RETRIEVAL = ["--device", "cpu", "--task", "retrieval", "--record-format", "fused",

@@ -16,14 +16,17 @@ from msa_megatron.layout import query_layout  # noqa: E402
 from msa_megatron.ops.triton.dense_kl import student_lse  # noqa: E402
 from msa_megatron.ops.triton.dense_lse_z import student_lse_finite  # noqa: E402
 
+# CUDA where there is a GPU (the kernels then run compiled), else the CPU (interpreter)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
 
 def _inputs(lens, hi, hik, di, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     tokens = sum(lens)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    q_pos, q_kbase = query_layout(cu, tokens, "cpu")
-    q_idx = (torch.randn(tokens, hi, di, generator=gen) * 2).to(dtype)
-    k_idx = (torch.randn(tokens, hik, di, generator=gen) * 2).to(dtype)
+    q_pos, q_kbase = query_layout(cu.to(DEVICE), tokens, DEVICE)
+    q_idx = (torch.randn(tokens, hi, di, generator=gen) * 2).to(dtype).to(DEVICE)
+    k_idx = (torch.randn(tokens, hik, di, generator=gen) * 2).to(dtype).to(DEVICE)
     return q_idx, k_idx, q_pos.contiguous(), q_kbase.contiguous()
 
 
@@ -31,7 +34,7 @@ def _oracle(q_idx, k_idx, q_pos, q_kbase, scale):
     hi, hik = q_idx.shape[1], k_idx.shape[1]
     z = torch.einsum("thd,uhd->thu", q_idx.double(),
                      k_idx.double().repeat_interleave(hi // hik, dim=1)) * scale
-    u = torch.arange(k_idx.shape[0])
+    u = torch.arange(k_idx.shape[0], device=k_idx.device)
     lo, last = q_kbase.long(), (q_kbase + q_pos).long()
     inside = (u[None] >= lo[:, None]) & (u[None] <= last[:, None])
     return torch.logsumexp(z.masked_fill(~inside[:, None], -float("inf")), dim=2)
@@ -86,7 +89,7 @@ def test_cp_layout_rows_against_all_keys(lens, cp_size, cp_rank):
 
     q_idx, k_idx, _, _ = _inputs(lens, 2, 1, 16, torch.float32, seed=cp_rank)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    layout = build_cp_layout(cu, cp_size, cp_rank, 1, torch.device("cpu"))
+    layout = build_cp_layout(cu.to(DEVICE), cp_size, cp_rank, 1, DEVICE)
     x = (q_idx[layout.local_rows].contiguous(), k_idx, layout.q_pos.contiguous(),
          layout.q_kbase.contiguous())
     assert x[0].shape[0] < x[1].shape[0]

@@ -143,8 +143,9 @@ def test_recall_rejects_bad_rows():
 def test_recall_checks_the_backend_like_the_layer():
     """The probe runs the selection itself: a backend that cannot run the inputs is refused
     with the layer's own message, not a kernel error (triton: index head dim 96)."""
-    inp = make_inputs((40,), index_head_dim=96, requires_grad=False)
-    args = (inp["q"], inp["k"], inp["q_idx"], inp["k_idx"], torch.tensor([3, 30]))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # triton's own limit, not the device
+    inp = make_inputs((40,), index_head_dim=96, requires_grad=False, device=device)
+    args = (inp["q"], inp["k"], inp["q_idx"], inp["k_idx"], torch.tensor([3, 30], device=device))
     with pytest.raises(ValueError, match="supports Di in"):
         selection_recall(*args, block_size=16, top_k=2, backend="triton")
     assert selection_recall(*args, block_size=16, top_k=2, backend="torch").recall.shape == (2, 2)

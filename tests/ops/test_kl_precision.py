@@ -18,6 +18,8 @@ from tests.support.inputs import make_inputs, rel_err
 
 KL_SCALE = 1.0 / (131072 * 4)  # N = 128K tokens, Hi = 4
 LOSS_SCALE = 2.0 ** 16  # what an fp16 loss scaler multiplies the loss by
+# CUDA where there is a GPU (the Triton kernels then run compiled), else the CPU (interpreter)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _index_grads(inputs, backend, dtype):
@@ -35,7 +37,7 @@ def _index_grads(inputs, backend, dtype):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_fp16_index_gradients_do_not_underflow(backend):
     inputs = make_inputs([70, 45], heads=4, kv_heads=2, index_heads=2, seed=11,
-                         requires_grad=False)
+                         requires_grad=False, device=DEVICE)
     inputs = {n: (t.to(torch.float16) if t.is_floating_point() else t) for n, t in inputs.items()}
     ref_q, ref_k = _index_grads(inputs, "reference", torch.float64)
     got_q, got_k = _index_grads(inputs, backend, torch.float16)
@@ -49,7 +51,7 @@ def test_fp16_index_gradients_need_the_loss_scale():
     the fp16 bar (subnormals): why the GPU check of 2026-12-01 saw 2.7e-2 for dq_idx in fp16
     and why the checks pass the KL an fp16 loss scale (bench_kernels.KL_GRAD)."""
     inputs = make_inputs([70, 45], heads=4, kv_heads=2, index_heads=2, seed=11,
-                         requires_grad=False)
+                         requires_grad=False, device=DEVICE)
     inputs = {n: (t.to(torch.float16) if t.is_floating_point() else t) for n, t in inputs.items()}
     ref_q, ref_k = _index_grads(inputs, "reference", torch.float64)
     assert ref_q.abs().max() < 6.1e-5  # below fp16's smallest normal number
@@ -62,8 +64,8 @@ def _large_logit_inputs(dtype, seed):
     """Index logits around |z| = 7000 that differ by a few units between keys (a large common
     offset): the student is spread, the KL moderate, and ``sum(T z) - lse_z`` cancels."""
     x = make_inputs([70, 45], heads=4, kv_heads=2, index_heads=2, seed=seed,
-                    requires_grad=False)
-    offset = torch.zeros(16, dtype=torch.float64)
+                    requires_grad=False, device=DEVICE)
+    offset = torch.zeros(16, dtype=torch.float64, device=DEVICE)
     offset[0] = 167.0  # index_scale * 167 * 167 = 6972 with Di = 16
     x["q_idx"] = offset + x["q_idx"]
     x["k_idx"] = offset + 0.05 * x["k_idx"]

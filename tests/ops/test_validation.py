@@ -18,6 +18,8 @@ from msa_megatron.ops.backends import get_backend
 from tests.support.inputs import make_inputs
 
 BACKEND_NAMES = ["reference", "torch", "triton", None]
+# CUDA where there is a GPU (the Triton kernels then run compiled), else the CPU (interpreter)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 class ComputeCalled(AssertionError):
@@ -40,12 +42,16 @@ def no_compute(monkeypatch):
 def _valid() -> Dict[str, object]:
     """Valid arguments for every backend: lengths 20 + 12, Hq 4, Hkv 2, Hi 2, Hik 1, D = Di 16."""
     x = make_inputs((20, 12), heads=4, kv_heads=2, index_heads=2, index_key_heads=1,
-                    head_dim=16, index_head_dim=16, requires_grad=False, seed=0)
+                    head_dim=16, index_head_dim=16, requires_grad=False, seed=0, device=DEVICE)
     return dict(x, block_size=16, top_k=2)
 
 
 def _tensor(*shape, dtype=torch.float32):
-    return torch.randn(*shape).to(dtype)
+    return torch.randn(*shape).to(dtype).to(DEVICE)
+
+
+def _cu(*values, dtype=torch.int32):
+    return torch.tensor(values, dtype=dtype, device=DEVICE)
 
 
 class Bad(NamedTuple):
@@ -111,17 +117,17 @@ BAD = {
     "backend_not_str": Bad(_set(backend=1), TypeError, r"backend"),
     "mode_not_str": Bad(_set(mode=1), TypeError, r"mode", False),
     # cu_seqlens
-    "cu_seqlens_int64": Bad(_set(cu_seqlens=torch.tensor([0, 20, 32])), TypeError,
+    "cu_seqlens_int64": Bad(_set(cu_seqlens=_cu(0, 20, 32, dtype=torch.int64)), TypeError,
                             r"cu_seqlens must be int32"),
     "cu_seqlens_list": Bad(_set(cu_seqlens=[0, 20, 32]), TypeError,
                            r"cu_seqlens must be a torch.Tensor"),
-    "cu_seqlens_2d": Bad(_set(cu_seqlens=torch.tensor([[0, 20, 32]], dtype=torch.int32)),
+    "cu_seqlens_2d": Bad(_set(cu_seqlens=_cu(0, 20, 32)[None]),
                          ValueError, r"cu_seqlens must be 1-D"),
-    "cu_seqlens_decreasing": Bad(_set(cu_seqlens=torch.tensor([0, 20, 10, 32], dtype=torch.int32)),
+    "cu_seqlens_decreasing": Bad(_set(cu_seqlens=_cu(0, 20, 10, 32)),
                                  ValueError, r"cu_seqlens must be non-decreasing"),
-    "cu_seqlens_first_not_zero": Bad(_set(cu_seqlens=torch.tensor([1, 20, 32], dtype=torch.int32)),
+    "cu_seqlens_first_not_zero": Bad(_set(cu_seqlens=_cu(1, 20, 32)),
                                      ValueError, r"cu_seqlens\[0\]"),
-    "cu_seqlens_last_not_T": Bad(_set(cu_seqlens=torch.tensor([0, 20, 30], dtype=torch.int32)),
+    "cu_seqlens_last_not_T": Bad(_set(cu_seqlens=_cu(0, 20, 30)),
                                  ValueError, r"cu_seqlens\[-1\] must equal T=32"),
     "cu_seqlens_other_device": Bad(_set(cu_seqlens=lambda a: a["cu_seqlens"].to("meta")),
                                    ValueError, r"cu_seqlens is on meta"),
@@ -172,7 +178,7 @@ def test_valid_input_reaches_compute(entry, backend):
 def test_references_accept_any_head_dim_block_size_and_float64(entry, backend):
     args = _valid()
     x = make_inputs((20, 12), heads=4, kv_heads=2, index_heads=2, head_dim=24, index_head_dim=40,
-                    dtype=torch.float64, requires_grad=False, seed=1)
+                    dtype=torch.float64, requires_grad=False, seed=1, device=DEVICE)
     args.update(x, block_size=256, backend=backend)
     with pytest.raises(ComputeCalled):
         ENTRY_POINTS[entry](args)
@@ -196,7 +202,7 @@ def test_triton_limits_raise_before_launch(case, entry):
     input_options, call_options, error, match = TRITON_LIMITS[case]
     args = _valid()
     args.update(make_inputs((20, 12), heads=4, kv_heads=2, index_heads=2, requires_grad=False,
-                            seed=2, **input_options))
+                            seed=2, device=DEVICE, **input_options))
     args.update(call_options, backend="triton")
     with pytest.raises(error, match=match):
         ENTRY_POINTS[entry](args)

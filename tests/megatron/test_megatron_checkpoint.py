@@ -121,3 +121,43 @@ def test_dense_checkpoint_into_msa_model(tmp_path):
         assert torch.equal(loaded["params"][name], loaded["before"][name])
     assert all("_idx" in key for key in loaded["skipped"]) and loaded["skipped"]
     assert torch.isfinite(loaded["loss"])
+
+
+def _dense_load_error(rank: int, world_size: int, path: str, setup: Setup):
+    """The error ``load_dense_checkpoint`` raises for ``path`` into a model of ``setup``."""
+    from msa_megatron.megatron import load_dense_checkpoint
+
+    model = build_model(setup, world_size)
+    try:
+        with cuda_device_as_cpu():
+            load_dense_checkpoint(model, path)
+    except (RuntimeError, ValueError) as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def _save_msa_model(rank: int, world_size: int, path: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    model = build_model(LOCAL, world_size)
+    with cuda_device_as_cpu():
+        dist_checkpointing.save(model.sharded_state_dict(), path)
+
+
+def test_dense_load_refuses_what_it_would_drop_or_leave_uninitialised(tmp_path):
+    """Tensors of the checkpoint the model has no place for (q/k norms into a model without),
+    an MSA checkpoint (its trained index would be re-initialised) and a model built without
+    initialization (the index projections would keep uninitialised memory) are refused."""
+    dense, msa = tmp_path / "dense", tmp_path / "msa"
+    dense.mkdir(), msa.mkdir()
+    run_distributed(_save_dense, 2, args=(str(dense),), tp=2)  # with q/k norms
+    no_norms = dataclasses.replace(LOCAL, qk_layernorm=False)
+    error = run_distributed(_dense_load_error, 1, args=(str(dense), no_norms), tp=1)[0]
+    assert error and error.startswith("RuntimeError") and "no parameter for" in error, error
+    assert "self_attention.q_layernorm.weight" in error, error
+    run_distributed(_save_msa_model, 1, args=(str(msa),), tp=1)
+    error = run_distributed(_dense_load_error, 1, args=(str(msa), LOCAL), tp=1)[0]
+    assert error and "already holds MSA index weights" in error and "linear_q_idx" in error, error
+    no_init = dataclasses.replace(LOCAL, config_extra={"perform_initialization": False})
+    error = run_distributed(_dense_load_error, 1, args=(str(dense), no_init), tp=1)[0]
+    assert error and error.startswith("ValueError") and "--no-initialization" in error, error

@@ -61,12 +61,16 @@ def dense_checkpoint_dir(path: str) -> tuple:
 
     Raises:
         FileNotFoundError: no checkpoint there.
+        ValueError: a tracker file that holds neither an iteration number nor ``release``.
     """
     path = os.path.abspath(path)
     tracker = os.path.join(path, TRACKER)
     if os.path.isfile(tracker):
         with open(tracker) as handle:
             text = handle.read().strip()
+        if text != "release" and not text.isdigit():
+            raise ValueError(f"--dense-load: {tracker} must hold an iteration number or "
+                             f"'release', got {text[:80]!r}")
         iteration = 0 if text == "release" else int(text)
         name = "release" if text == "release" else f"iter_{iteration:07d}"
         path = os.path.join(path, name)

@@ -158,6 +158,17 @@ def test_dense_convert_and_continue_with_msa(env, tmp_path):
     assert abs(msa_losses[1] - dense_losses[3]) < abs(msa_losses[1] - dense_losses[1])
 
 
+def test_convert_names_a_bad_tracker_file(env, tmp_path):
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("iter_5\n")
+    code = (f"import sys; sys.path.insert(0, {str(KIT)!r}); import convert_dense_to_msa as c\n"
+            f"c.dense_checkpoint_dir({str(tmp_path)!r})")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert proc.returncode != 0
+    assert "latest_checkpointed_iteration.txt must hold an iteration number" in proc.stderr, \
+        proc.stderr[-2000:]
+
+
 def test_entry_point_on_a_patched_package(env, tmp_path):
     """patches/ applied to megatron.training plus the entry point: no duplicate --msa-* flags,
     the patched loop switches the warmup and logs the KL (once)."""

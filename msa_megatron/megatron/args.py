@@ -72,11 +72,11 @@ def add_msa_arguments(parser: argparse.ArgumentParser, *, prefix: str = "msa",
         group = parser.add_argument_group(title=GROUP_TITLE)
     for field in wanted:
         kind, choices, text = MSA_FLAG_FIELDS[field]
+        default = getattr(defaults, field)  # None: the text says what stands in for it
         group.add_argument(_flag(prefix, field), dest=_dest(prefix, field), type=kind,
-                           choices=choices, default=getattr(defaults, field),
+                           choices=choices, default=default,
                            help=f"MSA: {text}"
-                                + ("" if getattr(defaults, field) is None else
-                                   " (default: %(default)s)"))
+                                + ("" if default is None else " (default: %(default)s)"))
     if warmup:
         group.add_argument(_flag(prefix, WARMUP_FIELD), dest=_dest(prefix, WARMUP_FIELD),
                            type=_steps, default=0,

@@ -43,6 +43,7 @@ def load_dense_checkpoint(model: Union[torch.nn.Module, List[torch.nn.Module]],
         The MSA-only keys that were left at their initial values.
 
     Raises:
+        TypeError: ``model`` is neither a module nor a list of them.
         ValueError: the model was built with ``perform_initialization=False`` (Megatron's
             ``--no-initialization``), which would leave the MSA-only parameters, absent from
             a dense checkpoint, as uninitialised memory (checked before anything is read).
@@ -53,18 +54,16 @@ def load_dense_checkpoint(model: Union[torch.nn.Module, List[torch.nn.Module]],
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
-    from .attention import MSASelfAttention
+    from .attention import _msa_cores, model_chunks
 
-    chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
-    for chunk in chunks:
-        for module in chunk.modules():
-            if (isinstance(module, MSASelfAttention)
-                    and not getattr(module.config, "perform_initialization", True)):
-                raise ValueError(
-                    "the MSA model was built with perform_initialization=False (Megatron's "
-                    "--no-initialization): its index projections, which a dense checkpoint has "
-                    "no values for, would keep uninitialised memory; build it with "
-                    "initialization for the dense -> MSA load")
+    chunks = model_chunks(model)
+    for core in _msa_cores(chunks):  # the layer's config: its index projections' too
+        if not getattr(core.config, "perform_initialization", True):
+            raise ValueError(
+                "the MSA model was built with perform_initialization=False (Megatron's "
+                "--no-initialization): its index projections, which a dense checkpoint has "
+                "no values for, would keep uninitialised memory; build it with "
+                "initialization for the dense -> MSA load")
     skipped: List[str] = []
     sharded = {}
     for i, chunk in enumerate(chunks):

@@ -13,10 +13,10 @@ is also callable with the ``TransformerConfig`` (builders that call the spec obj
 matching ``config.qk_layernorm`` / ``config.transformer_impl``); its layer class,
 :class:`ConfigMatchedMSALayer`, builds its submodules from its own config, so the flags are
 honoured either way (0.19.2's builder passes a ``ModuleSpec`` on uncalled). Its MSA options
-come from the environment variable ``MSA_CONFIG``: a JSON object of :class:`msa_megatron.MSAConfig`
-fields,
-e.g. ``MSA_CONFIG='{"top_k": 16, "block_size": 128, "kl_coeff": 1.0, "mode": "dense"}'``,
-read where the layers are built; an invalid one raises there (a ValueError / TypeError naming
+come from the environment variable ``MSA_CONFIG``, a JSON object of
+:class:`msa_megatron.MSAConfig` fields, e.g.
+``MSA_CONFIG='{"top_k": 16, "block_size": 128, "kl_coeff": 1.0, "mode": "dense"}'``, read
+where the layers are built; an invalid one raises there (a ValueError / TypeError naming
 ``$MSA_CONFIG``), not at import.
 """
 
